@@ -1,0 +1,97 @@
+// Package engine runs requests on a model backend: tokenized prompts in,
+// sampled tokens and text out, with continuous batching, chunked prefill and
+// a paged KV cache.
+package engine
+
+import (
+	"errors"
+)
+
+// Sentinel errors; wrap with %w and classify with errors.Is.
+var (
+	ErrClosed        = errors.New("engine: closed")
+	ErrBadRequest    = errors.New("engine: bad request")     // HTTP 400
+	ErrOverloaded    = errors.New("engine: overloaded")      // HTTP 503: queue full
+	ErrPromptTooLong = errors.New("engine: prompt too long") // HTTP 400
+)
+
+// SamplingParams follows SGLang's sampling_params. Zero values mean the
+// defaults noted on each field.
+type SamplingParams struct {
+	MaxNewTokens     int     // 0 means 128 (SGLang's default)
+	Temperature      float64 // 0 means greedy
+	TopP             float64 // 0 or 1 means off
+	TopK             int     // 0 or -1 means off
+	MinP             float64 // 0 means off
+	Seed             *int64  // nil: from the engine's seed source
+	FrequencyPenalty float64
+	PresencePenalty  float64
+	Stop             []string // stop strings; the matched string is not part of the output text
+	StopTokenIDs     []int
+	IgnoreEOS        bool
+}
+
+// Request is one generation request.
+type Request struct {
+	ID       string // rid; generated when empty
+	InputIDs []int
+	Params   SamplingParams
+	Logprobs bool // return the logprob of every output token
+
+	// Room is the bootstrap room of a disaggregated request (0 when colocated);
+	// it only labels logs here.
+	Room uint64
+	// Prefill, when set, makes this a prefill-only request (disaggregation,
+	// prefill side): the prompt runs, the first token is sampled, the hooks are
+	// called, and the request finishes without decoding.
+	Prefill PrefillHook
+	// Preloaded, when set, makes this a decode-side request whose prompt KV is
+	// already in the pool (disaggregation, decode side): no prompt compute.
+	Preloaded *Preloaded
+}
+
+// PrefillHook receives the progress of a prefill-only request. Calls come
+// from the engine loop in order; they must not block for long.
+type PrefillHook interface {
+	// Pages is called once, before the first chunk runs, with the pages the
+	// engine allocated for the prompt; the hook may keep them until Done.
+	Pages(pages []int32)
+	// Chunk is called after each prefill chunk with the number of prompt
+	// tokens whose KV is now in the pool (cumulative).
+	Chunk(tokensDone int)
+	// Done is called once with the first sampled token and its logprob, or
+	// with err set if the request failed or was aborted. The pages stay
+	// allocated until release is called (exactly once), so the transfer can
+	// finish.
+	Done(first int, logprob float32, err error, release func())
+}
+
+// Preloaded is a decode-side request whose prompt KV is already in Pages and
+// whose first token was sampled by the prefill server.
+type Preloaded struct {
+	Pages        []int32 // pages holding positions 0..len(InputIDs)-1; ownership passes to the engine
+	FirstToken   int
+	FirstLogprob float32
+}
+
+// Event is one step of a request's output. Text is the new text since the
+// previous event (never broken UTF-8, never a prefix of a stop string that
+// may still match); Token is the new token (-1 when an event carries only a
+// Finish).
+type Event struct {
+	Token   int
+	Logprob float32
+	Text    string
+	Finish  *Finish // set on the last event
+}
+
+// Finish says why a request ended. Type is "stop", "length" or "abort";
+// Matched is the stop string or stop token id that ended it (nil otherwise);
+// Err is set for "abort" with the cause.
+type Finish struct {
+	Type         string
+	Matched      any
+	Err          error
+	PromptTokens int
+	OutputTokens int
+}

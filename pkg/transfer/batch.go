@@ -1,0 +1,284 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Request is one transfer: Len bytes between local memory at Local and the
+// address Remote inside a region that segment Segment published.
+type Request struct {
+	Op      Op
+	Local   uintptr
+	Len     uint64
+	Segment SegmentID
+	Remote  uint64
+}
+
+// TaskState is a task's progress.
+type TaskState int
+
+const (
+	Pending TaskState = iota
+	Completed
+	Failed
+	TimedOut
+)
+
+func (s TaskState) String() string {
+	return [...]string{"pending", "completed", "failed", "timed out"}[s]
+}
+
+// TaskStatus is one task's state; Err says why it failed or timed out.
+type TaskStatus struct {
+	State     TaskState
+	Err       error
+	Transport string
+}
+
+// Batch is a set of submitted requests. Every task leaves Pending within the
+// engine's Timeout.
+type Batch struct {
+	e       *Engine
+	start   time.Time
+	cancel  context.CancelFunc
+	stop    func() bool
+	mu      sync.Mutex
+	status  []TaskStatus
+	pending int
+	done    chan struct{}
+	used    map[string]bool
+	reqs    []Request
+}
+
+// Submit checks every request (local memory registered, target address
+// inside a region the target published, with the needed access right) and,
+// if all pass, starts them. If any fails the check nothing moves and the
+// error names the request and the address range. Cancelling ctx cancels
+// the batch.
+func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
+	e.mu.RLock()
+	closed := e.closed
+	e.mu.RUnlock()
+	if closed {
+		return nil, ErrClosed
+	}
+	tasks := make([]*Task, len(reqs))
+	ts := make([]Transport, len(reqs))
+	peers := make([]*Descriptor, len(reqs))
+	refreshed := map[SegmentID]bool{}
+	for i, r := range reqs {
+		s := e.segAt(r.Segment)
+		if s == nil {
+			return nil, fmt.Errorf("transfer: request %d: %w: id %d not opened", i, ErrSegmentNotFound, r.Segment)
+		}
+		d, tab, stale := s.snapshot()
+		if stale && !refreshed[r.Segment] {
+			refreshed[r.Segment] = true
+			if err := e.refresh(ctx, s); err != nil {
+				return nil, fmt.Errorf("transfer: request %d: %w", i, err)
+			}
+			d, tab, _ = s.snapshot()
+		}
+		lr, err := e.CheckLocal(uint64(r.Local), r.Len, 0)
+		if err != nil {
+			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: local memory: %w", i, err)}
+		}
+		rr, err := tab.Check(r.Remote, r.Len, r.Op.need())
+		if errors.Is(err, ErrOutOfBounds) && !refreshed[r.Segment] && r.Segment != LocalSegment {
+			// The peer may have registered memory since we last looked.
+			refreshed[r.Segment] = true
+			if rerr := e.refresh(ctx, s); rerr == nil {
+				d, tab, _ = s.snapshot()
+				rr, err = tab.Check(r.Remote, r.Len, r.Op.need())
+			}
+		}
+		if err != nil {
+			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: %w", i, err)}
+		}
+		t := e.pick(lr.Location, d, rr)
+		if t == nil {
+			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: %w from %v to %v (installed: %v)",
+				i, ErrNoTransport, lr.Location, rr.Location, e.transportNames())}
+		}
+		rcopy := *rr
+		tasks[i] = &Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: &rcopy, LocalRegion: lr}
+		ts[i], peers[i] = t, d
+	}
+
+	bctx, cancel := context.WithTimeout(ctx, e.cfg.Timeout)
+	b := &Batch{e: e, start: time.Now(), cancel: cancel, status: make([]TaskStatus, len(reqs)),
+		pending: len(reqs), done: make(chan struct{}), used: map[string]bool{}, reqs: reqs}
+	if len(reqs) == 0 {
+		cancel()
+		close(b.done)
+		return b, nil
+	}
+	type key struct {
+		t    Transport
+		peer *Descriptor
+	}
+	groups := map[key][]*Task{}
+	var order []key
+	for i, t := range tasks {
+		i := i
+		t.done = func(err error) { b.finish(i, err) }
+		b.status[i].Transport = ts[i].Name()
+		b.used[ts[i].Name()] = true
+		k := key{ts[i], peers[i]}
+		if _, ok := groups[k]; !ok {
+			order = append(order, k)
+		}
+		groups[k] = append(groups[k], t)
+	}
+	// Bound the batch: when bctx ends, every task still pending times out
+	// (or is canceled with the caller's context).
+	b.stop = context.AfterFunc(bctx, func() {
+		err := ctxErr(bctx, "batch")
+		for i := range tasks {
+			tasks[i].Done(err)
+		}
+	})
+	for _, k := range order {
+		k.t.Submit(bctx, k.peer, groups[k])
+	}
+	return b, nil
+}
+
+// pick is the transport selector: the first installed transport that can
+// serve local memory at loc to the remote region rem of peer.
+func (e *Engine) pick(loc Location, peer *Descriptor, rem *RegionInfo) Transport {
+	for _, t := range e.cfg.Transports {
+		if t.Reach() == ReachSameMachine && !peer.Host.SameMachine(e.self.Host) {
+			continue
+		}
+		if t.CanServe(loc, peer, rem) {
+			return t
+		}
+	}
+	return nil
+}
+
+// Select names the transport the engine would use between local memory at
+// loc and a region at rem of peer ("" if none): the selector that Submit
+// uses, for tools such as `mooncake-go topo`.
+func (e *Engine) Select(loc Location, peer *Descriptor, rem *RegionInfo) string {
+	if t := e.pick(loc, peer, rem); t != nil {
+		return t.Name()
+	}
+	return ""
+}
+
+func (b *Batch) finish(i int, err error) {
+	b.mu.Lock()
+	st := &b.status[i]
+	if st.State != Pending {
+		b.mu.Unlock()
+		return
+	}
+	switch {
+	case err == nil:
+		st.State = Completed
+	case errors.Is(err, ErrTimeout):
+		st.State = TimedOut
+	default:
+		st.State = Failed
+	}
+	st.Err = err
+	b.pending--
+	last := b.pending == 0
+	b.mu.Unlock()
+
+	m := b.e.m
+	r := b.reqs[i]
+	m.tasks.WithLabelValues(st.Transport, st.State.String()).Inc()
+	if err == nil {
+		m.bytes.WithLabelValues(st.Transport, r.Op.String()).Add(float64(r.Len))
+	} else if r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout)) {
+		if s := b.e.segAt(r.Segment); s != nil {
+			s.markStale() // refetch (and check the incarnation) before the next use
+		}
+	}
+	if err != nil && b.e.lg.Core().Enabled(zap.DebugLevel) {
+		b.e.lg.Debug("task failed", zap.String("transport", st.Transport), zap.Error(err))
+	}
+	if last {
+		b.complete()
+	}
+}
+
+func (b *Batch) complete() {
+	b.stop()
+	b.cancel()
+	el := time.Since(b.start).Seconds()
+	res := map[string]string{}
+	for _, s := range b.status {
+		if s.State != Completed {
+			res[s.Transport] = "failed"
+		} else if res[s.Transport] == "" {
+			res[s.Transport] = "completed"
+		}
+	}
+	for t, r := range res {
+		b.e.m.batches.WithLabelValues(t, r).Inc()
+		b.e.m.seconds.WithLabelValues(t).Observe(el)
+	}
+	close(b.done)
+}
+
+// Done is closed when every task has left Pending.
+func (b *Batch) Done() <-chan struct{} { return b.done }
+
+// Status returns task i's state.
+func (b *Batch) Status(i int) TaskStatus {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.status[i]
+}
+
+// Statuses returns every task's state.
+func (b *Batch) Statuses() []TaskStatus {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]TaskStatus(nil), b.status...)
+}
+
+// Wait blocks until the batch is done (or ctx ends) and returns nil if every
+// task completed, else the first failure with the count of failed tasks.
+func (b *Batch) Wait(ctx context.Context) error {
+	select {
+	case <-b.done:
+	case <-ctx.Done():
+		return ctxErr(ctx, "wait for batch")
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var first error
+	n := 0
+	for i, s := range b.status {
+		if s.State != Completed {
+			n++
+			if first == nil {
+				first = fmt.Errorf("task %d via %s %v: %w", i, s.Transport, s.State, s.Err)
+			}
+		}
+	}
+	if first != nil {
+		return fmt.Errorf("transfer: %d of %d tasks failed; first: %w", n, len(b.status), first)
+	}
+	return nil
+}
+
+// Transfer submits reqs and waits for them: the synchronous helper.
+func (e *Engine) Transfer(ctx context.Context, reqs []Request) error {
+	b, err := e.Submit(ctx, reqs)
+	if err != nil {
+		return err
+	}
+	return b.Wait(context.WithoutCancel(ctx)) // the batch itself is bounded
+}

@@ -1,0 +1,98 @@
+package transfer
+
+import (
+	"context"
+	"encoding/json"
+	"net"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Reach says which peers a transport can serve.
+type Reach int
+
+const (
+	ReachSameMachine Reach = iota // same boot, machine-id and network namespace
+	ReachNetwork                  // any peer it can connect to
+)
+
+// Transport moves bytes for one kind of path (tcp, shm, nvlink, ...).
+// Implementations live in subpackages and assert
+// var _ transfer.Transport = (*Transport)(nil).
+type Transport interface {
+	// Name is the transport's name in descriptors, logs and metrics.
+	Name() string
+	Reach() Reach
+	// Start is called once by New, before the engine accepts connections.
+	Start(h Host) error
+	// Info is the transport's segment-level entry in the descriptor (may be
+	// nil). It is read after Start.
+	Info() json.RawMessage
+	// RegisterRegion prepares a local region and returns the handle peers
+	// need to reach it (nil if none is needed). An error wrapping
+	// ErrCannotRegister means this transport cannot serve the region; other
+	// transports may.
+	RegisterRegion(r *Region) (json.RawMessage, error)
+	UnregisterRegion(r *Region)
+	// CanServe reports whether the transport can move bytes between local
+	// memory at loc and the region rem published by peer.
+	CanServe(loc Location, peer *Descriptor, rem *RegionInfo) bool
+	// Submit starts the tasks, all for one peer. It calls Done exactly once
+	// for every task, from any goroutine; it must give up when ctx is done.
+	Submit(ctx context.Context, peer *Descriptor, tasks []*Task)
+	// DropPeer forgets connections and mappings of a peer incarnation.
+	DropPeer(peer *Descriptor)
+	Close() error
+}
+
+// Region is a registered local region.
+type Region struct {
+	RegionInfo
+	// Host is set when the region is memfd-backed host memory (from
+	// AllocHost, or registered WithHostMemory): same-machine peers can map it.
+	Host *HostMemory
+	// HostOffset is the offset of Addr inside Host.
+	HostOffset int64
+	// Opaque carries backend data (for example a CUDA pool) for transports.
+	Opaque any
+}
+
+// Task is one request as a transport sees it: bounds already checked.
+type Task struct {
+	Op     Op
+	Local  uint64 // local address
+	Len    uint64
+	Remote uint64 // address inside Region
+	// Region is the remote region holding [Remote, Remote+Len).
+	Region *RegionInfo
+	// LocalRegion is the local registered region holding [Local, Local+Len).
+	LocalRegion *Region
+
+	once sync.Once
+	done func(error)
+}
+
+// Done reports the task's result; only the first call counts.
+func (t *Task) Done(err error) { t.once.Do(func() { t.done(err) }) }
+
+// Host is what the engine offers its transports.
+type Host interface {
+	Logger() *zap.Logger
+	// Self returns a copy of the local descriptor as published now.
+	Self() *Descriptor
+	// Dial connects to peer's engine for a connection of the given kind,
+	// after the handshake (and cluster-token proof). The peer must still be
+	// the incarnation in the descriptor.
+	Dial(ctx context.Context, peer *Descriptor, kind string) (net.Conn, error)
+	// Handle routes accepted connections of kind to fn, after the handshake.
+	// fn owns conn.
+	Handle(kind string, fn func(conn net.Conn, from Hello))
+	// CheckLocal checks that [addr, addr+n) lies in one local registered
+	// region granting need. Transports that serve remote requests call it
+	// before touching memory.
+	CheckLocal(addr, n uint64, need Access) (*Region, error)
+	// Timeout is the bound on one batch.
+	Timeout() time.Duration
+}
