@@ -1,0 +1,64 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/httpmeta"
+)
+
+func init() { commands = append(commands, newRegistryCmd) }
+
+func newRegistryCmd(g *globals) *cobra.Command {
+	var host string
+	var port int
+	cmd := &cobra.Command{
+		Use:   "registry",
+		Short: "Run the HTTP metadata server (GET|PUT|DELETE /metadata?key=K)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			lg, err := g.logger()
+			if err != nil {
+				return err
+			}
+			defer lg.Sync()
+			ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
+			if err != nil {
+				return fmt.Errorf("--port %d: %w", port, err)
+			}
+			srv := &http.Server{Handler: httpmeta.NewServer(lg.Named("registry")), ReadHeaderTimeout: 10 * time.Second}
+			fmt.Fprintf(cmd.OutOrStdout(), "listening on %s\n", ln.Addr())
+			lg.Info("metadata server listening", zap.String("addr", ln.Addr().String()))
+			return serveHTTP(cmd.Context(), srv, ln)
+		},
+	}
+	cmd.Flags().StringVar(&host, "host", "127.0.0.1", "listen host")
+	cmd.Flags().IntVar(&port, "port", 8080, "listen port")
+	return cmd
+}
+
+// serveHTTP serves until ctx ends, then shuts down within a bound.
+func serveHTTP(ctx context.Context, srv *http.Server, ln net.Listener) error {
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := srv.Shutdown(sctx)
+	if e := <-errc; !errors.Is(e, http.ErrServerClosed) && err == nil {
+		err = e
+	}
+	return err
+}

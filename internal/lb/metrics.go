@@ -1,0 +1,28 @@
+package lb
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	requests *prometheus.CounterVec
+	seconds  prometheus.Histogram
+	healthy  *prometheus.GaugeVec
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_lb_requests_total", Help: "Requests through the load balancer by HTTP status.",
+		}, []string{"code"}),
+		seconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "mooncake_lb_request_seconds", Help: "Time from request to the end of the response.",
+			Buckets: prometheus.ExponentialBuckets(1e-3, 2, 16),
+		}),
+		healthy: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "mooncake_lb_backend_healthy", Help: "1 if the server passed its last health check.",
+		}, []string{"role", "url"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.requests, m.seconds, m.healthy)
+	}
+	return m
+}
