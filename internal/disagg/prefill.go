@@ -1,0 +1,513 @@
+package disagg
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+)
+
+// PrefillConfig configures the prefill side. Zero values mean the defaults
+// noted.
+type PrefillConfig struct {
+	Transfer *transfer.Engine
+	Info     Info   // this server's model, KV layout, segment and pool address
+	Listen   string // bootstrap server address; port 0 picks a free port
+	// Timeout bounds each wait for the other half of a room: decode's
+	// registration after the request arrived, or the request after decode
+	// registered (default 10s).
+	Timeout    time.Duration
+	AuxSlots   int // staging slots for first tokens (default 4096)
+	Logger     *zap.Logger
+	Registerer prometheus.Registerer
+}
+
+// Prefill is the prefill side: the bootstrap server and the KV pushes.
+type Prefill struct {
+	cfg PrefillConfig
+	lg  *zap.Logger
+	m   *metrics
+	ln  net.Listener
+	srv *http.Server
+	aux *auxSlots
+
+	mu     sync.Mutex
+	rooms  map[uint64]*proom
+	closed bool
+	wg     sync.WaitGroup
+	ctx    context.Context
+	cancel context.CancelFunc
+}
+
+// NewPrefill starts the bootstrap server.
+func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
+	if cfg.Transfer == nil {
+		return nil, errors.New("disagg: prefill needs a transfer engine")
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 10 * time.Second
+	}
+	if cfg.AuxSlots == 0 {
+		cfg.AuxSlots = 4096
+	}
+	lg := cfg.Logger
+	if lg == nil {
+		lg = zap.NewNop()
+	}
+	ln, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("--disaggregation-bootstrap-port: listen on %s: %w (use 0 to pick a free port)", cfg.Listen, err)
+	}
+	aux, err := newAuxSlots(ctx, cfg.Transfer, cfg.AuxSlots)
+	if err != nil {
+		ln.Close()
+		return nil, err
+	}
+	p := &Prefill{cfg: cfg, lg: lg.Named("disagg.prefill"), m: newMetrics(cfg.Registerer, "prefill"), ln: ln, aux: aux,
+		rooms: map[uint64]*proom{}}
+	p.ctx, p.cancel = context.WithCancel(context.Background())
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /bootstrap/info", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, p.cfg.Info) })
+	mux.HandleFunc("GET /bootstrap/health", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, 200, map[string]string{"incarnation": p.cfg.Info.Incarnation})
+	})
+	mux.HandleFunc("POST /bootstrap/rooms", p.handleRoom)
+	mux.HandleFunc("POST /bootstrap/cancel", p.handleCancel)
+	p.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	p.wg.Add(1)
+	go func() {
+		defer p.wg.Done()
+		p.srv.Serve(ln)
+	}()
+	p.lg.Info("bootstrap server listening", zap.String("addr", ln.Addr().String()), zap.String("segment", cfg.Info.Segment))
+	return p, nil
+}
+
+// Port is the bootstrap server's port.
+func (p *Prefill) Port() int { return p.ln.Addr().(*net.TCPAddr).Port }
+
+// Rooms is the number of rooms in progress.
+func (p *Prefill) Rooms() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return len(p.rooms)
+}
+
+// Close stops the bootstrap server, fails the rooms in progress and waits
+// for them to release their pages.
+func (p *Prefill) Close() error {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	err := p.srv.Shutdown(sctx)
+	cancel()
+	p.cancel()
+	p.wg.Wait()
+	return errors.Join(err, p.cfg.Transfer.FreeHost(context.Background(), p.aux.mem))
+}
+
+// room returns the room, creating it (and its worker) if needed.
+func (p *Prefill) room(id uint64) (*proom, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, errors.New("disagg: prefill server closing")
+	}
+	r := p.rooms[id]
+	if r == nil {
+		r = &proom{p: p, id: id, kick: make(chan struct{}, 1), created: time.Now(),
+			lg: p.lg.With(zap.Uint64("room", id))}
+		p.rooms[id] = r
+		p.m.rooms.WithLabelValues("prefill", Bootstrapping.String()).Inc()
+		p.wg.Add(1)
+		go r.run()
+	}
+	return r, nil
+}
+
+func (p *Prefill) handleRoom(w http.ResponseWriter, req *http.Request) {
+	var rr RoomRequest
+	if err := json.NewDecoder(http.MaxBytesReader(w, req.Body, 16<<20)).Decode(&rr); err != nil {
+		writeErr(w, 400, "bad room registration: "+err.Error())
+		return
+	}
+	if err := p.cfg.Info.Check(rr.Decode); err != nil {
+		p.m.failures.WithLabelValues("prefill", "mismatch").Inc()
+		p.lg.Warn("room refused", zap.Uint64("room", rr.Room), zap.Error(err))
+		writeErr(w, 400, "prefill refuses room: "+err.Error())
+		return
+	}
+	r, err := p.room(rr.Room)
+	if err != nil {
+		writeErr(w, 503, err.Error())
+		return
+	}
+	if err := r.setDst(&rr); err != nil {
+		writeErr(w, 409, err.Error())
+		return
+	}
+	writeJSON(w, 200, map[string]string{"status": "ok"})
+}
+
+func (p *Prefill) handleCancel(w http.ResponseWriter, req *http.Request) {
+	id, err := strconv.ParseUint(req.URL.Query().Get("room"), 10, 64)
+	if err != nil {
+		writeErr(w, 400, "bad room: "+err.Error())
+		return
+	}
+	p.mu.Lock()
+	r := p.rooms[id]
+	p.mu.Unlock()
+	if r != nil {
+		r.fail("decode canceled the request")
+	}
+	writeJSON(w, 200, map[string]string{"status": "ok"})
+}
+
+// Prepare turns req into a prefill-only request of room: the engine will
+// call the room's hooks, and the room pushes the KV to decode.
+func (p *Prefill) Prepare(ctx context.Context, req *engine.Request, room uint64) error {
+	r, err := p.room(room)
+	if err != nil {
+		return err
+	}
+	if err := r.setRequest(len(req.InputIDs)); err != nil {
+		return err
+	}
+	req.Room = room
+	req.Prefill = r
+	return nil
+}
+
+// proom is one room on the prefill side. Hooks and HTTP handlers update it
+// under mu and kick its worker, which does the transfers in order.
+type proom struct {
+	p       *Prefill
+	id      uint64
+	lg      *zap.Logger
+	kick    chan struct{}
+	created time.Time
+
+	mu        sync.Mutex
+	state     State
+	dst       *RoomRequest
+	haveReq   bool
+	prompt    int
+	pages     []int32
+	tokens    int
+	done      bool
+	first     int
+	logprob   float32
+	release   func()
+	err       error // first failure
+	sentPages int
+	bytes     int64
+	xfer      time.Duration
+}
+
+func (r *proom) poke() {
+	select {
+	case r.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (r *proom) setDst(rr *RoomRequest) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.dst != nil {
+		return fmt.Errorf("room %d already registered", r.id)
+	}
+	r.dst = rr
+	r.poke()
+	return nil
+}
+
+func (r *proom) setRequest(prompt int) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.haveReq {
+		return fmt.Errorf("room %d already has a request", r.id)
+	}
+	r.haveReq, r.prompt = true, prompt
+	r.poke()
+	return nil
+}
+
+func (r *proom) fail(reason string) {
+	r.mu.Lock()
+	if r.err == nil {
+		r.err = errors.New(reason)
+	}
+	r.mu.Unlock()
+	r.poke()
+}
+
+// PrefillHook: called by the engine loop.
+
+func (r *proom) Pages(pages []int32) {
+	r.mu.Lock()
+	r.pages = append([]int32(nil), pages...)
+	r.mu.Unlock()
+	r.poke()
+}
+
+func (r *proom) Chunk(tokensDone int) {
+	r.mu.Lock()
+	r.tokens = tokensDone
+	r.mu.Unlock()
+	r.poke()
+}
+
+func (r *proom) Done(first int, logprob float32, err error, release func()) {
+	r.mu.Lock()
+	r.done, r.first, r.logprob, r.release = true, first, logprob, release
+	if err != nil && r.err == nil {
+		r.err = fmt.Errorf("prefill failed: %w", err)
+	}
+	r.mu.Unlock()
+	r.poke()
+}
+
+func (r *proom) setState(s State) {
+	m := r.p.m.rooms
+	m.WithLabelValues("prefill", r.state.String()).Dec()
+	m.WithLabelValues("prefill", s.String()).Inc()
+	r.state = s
+}
+
+// run is the room's worker.
+func (r *proom) run() {
+	p := r.p
+	defer p.wg.Done()
+	timer := time.NewTimer(p.cfg.Timeout)
+	defer timer.Stop()
+	timedOut := false
+	closing := p.ctx.Done()
+	for {
+		select {
+		case <-r.kick:
+		case <-timer.C:
+			timedOut = true
+		case <-closing:
+			r.fail("prefill server shutting down")
+			closing = nil // keep looping until the engine calls Done
+		}
+		r.mu.Lock()
+		dst, haveReq, done, err := r.dst, r.haveReq, r.done, r.err
+		if timedOut && err == nil {
+			switch {
+			case dst == nil:
+				r.err = fmt.Errorf("decode did not register room %d within %v", r.id, p.cfg.Timeout)
+			case !haveReq:
+				r.err = fmt.Errorf("prefill did not receive the request of room %d within %v", r.id, p.cfg.Timeout)
+			}
+			err = r.err
+		}
+		if dst != nil && haveReq && r.state < WaitingForInput {
+			r.setState(WaitingForInput)
+			timer.Stop() // both halves are here: the engine and transfer bounds apply
+		}
+		if err == nil && dst != nil && haveReq && r.prompt != dst.Tokens {
+			r.err = fmt.Errorf("prompt is %d tokens here, %d on decode (tokenizers differ)", r.prompt, dst.Tokens)
+			err = r.err
+		}
+		r.mu.Unlock()
+
+		if err == nil && dst != nil && haveReq {
+			if err = r.push(); err != nil {
+				r.mu.Lock()
+				if r.err == nil {
+					r.err = err
+				}
+				r.mu.Unlock()
+			}
+		}
+		r.mu.Lock()
+		err, done = r.err, r.done
+		finished := done && err == nil && r.sentPages == r.promptPages()
+		r.mu.Unlock()
+		switch {
+		case finished:
+			r.finish(nil)
+			return
+		case err != nil && (done || !haveReq):
+			r.finish(err)
+			return
+		}
+	}
+}
+
+func (r *proom) promptPages() int {
+	ps := r.p.cfg.Info.Layout.PageSize
+	return (r.prompt + ps - 1) / ps
+}
+
+// push writes the pages completed since the last push; after the last
+// chunk, the remaining pages and the first token go in one batch.
+func (r *proom) push() error {
+	r.mu.Lock()
+	ps := r.p.cfg.Info.Layout.PageSize
+	upto := r.tokens / ps
+	if r.done {
+		upto = r.promptPages()
+	}
+	if upto > len(r.pages) {
+		upto = len(r.pages)
+	}
+	from, dst, done := r.sentPages, r.dst, r.done
+	pages := r.pages
+	first, lp := r.first, r.logprob
+	r.mu.Unlock()
+	if upto <= from && !done {
+		return nil
+	}
+	if upto > len(dst.Pages) {
+		return fmt.Errorf("decode reserved %d pages, prompt needs %d", len(dst.Pages), upto)
+	}
+	r.mu.Lock()
+	if r.state < Transferring {
+		r.setState(Transferring)
+	}
+	r.mu.Unlock()
+	p := r.p
+	lay := p.cfg.Info.Layout
+	pairs, err := lay.Pairs(pages[from:upto], dst.Decode.Layout, dst.Pages[from:upto])
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Transfer.Timeout()+time.Second)
+	defer cancel()
+	seg, err := p.cfg.Transfer.OpenSegmentCached(ctx, dst.Decode.Segment)
+	if err != nil {
+		return fmt.Errorf("open decode segment %s: %w", dst.Decode.Segment, err)
+	}
+	reqs := make([]transfer.Request, 0, len(pairs)+1)
+	var n int64
+	for _, pr := range pairs {
+		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr + uint64(pr.Src)),
+			Len: uint64(pr.Len), Segment: seg, Remote: dst.Decode.PoolAddr + uint64(pr.Dst)})
+		n += pr.Len
+	}
+	slot := -1
+	if done {
+		if slot, err = p.aux.get(); err != nil {
+			return err
+		}
+		defer p.aux.put(slot)
+		encodeAux(p.aux.slot(slot), r.id, first, lp)
+		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.aux.addr(slot)), Len: AuxSize,
+			Segment: seg, Remote: dst.AuxAddr})
+	}
+	start := time.Now()
+	if err := p.cfg.Transfer.Transfer(ctx, reqs); err != nil {
+		return fmt.Errorf("KV transfer to %s: %w", dst.Decode.Segment, err)
+	}
+	el := time.Since(start)
+	r.mu.Lock()
+	r.sentPages = upto
+	r.bytes += n
+	r.xfer += el
+	r.mu.Unlock()
+	p.m.xferBytes.Add(float64(n))
+	if r.lg.Core().Enabled(zap.DebugLevel) {
+		r.lg.Debug("pages pushed", zap.Int("from", from), zap.Int("to", upto), zap.Int64("bytes", n), zap.Duration("took", el))
+	}
+	return nil
+}
+
+// finish notifies decode (if it registered) and releases the pages.
+func (r *proom) finish(err error) {
+	p := r.p
+	r.mu.Lock()
+	dst, release, bytes, xfer := r.dst, r.release, r.bytes, r.xfer
+	if err == nil {
+		r.setState(Success)
+	} else {
+		r.setState(Failed)
+	}
+	r.mu.Unlock()
+	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, TransferSeconds: xfer.Seconds()}
+	if err != nil {
+		res.Error = err.Error()
+	}
+	if dst != nil {
+		b, _ := json.Marshal(res)
+		ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Transfer.Timeout())
+		if nerr := p.cfg.Transfer.Notify(ctx, dst.Decode.Segment, NotifyTopic, b); nerr != nil {
+			r.lg.Warn("notify decode failed", zap.String("segment", dst.Decode.Segment), zap.Error(nerr))
+			if err == nil {
+				err = fmt.Errorf("notify decode: %w", nerr)
+			}
+		}
+		cancel()
+	}
+	if release != nil {
+		release()
+	}
+	p.mu.Lock()
+	delete(p.rooms, r.id)
+	p.mu.Unlock()
+	p.m.rooms.WithLabelValues("prefill", r.state.String()).Dec()
+	if err == nil {
+		p.m.requests.WithLabelValues("prefill", "success").Inc()
+		p.m.xferSecs.Observe(xfer.Seconds())
+		if xfer > 0 {
+			p.m.xferGBps.Observe(float64(bytes) / xfer.Seconds() / 1e9)
+		}
+		r.lg.Info("room done", zap.Int64("kv_bytes", bytes), zap.Duration("transfer", xfer),
+			zap.Duration("total", time.Since(r.created)))
+	} else {
+		p.m.requests.WithLabelValues("prefill", "failed").Inc()
+		p.m.failures.WithLabelValues("prefill", reasonOf(err)).Inc()
+		r.lg.Warn("room failed", zap.Error(err))
+	}
+}
+
+// reasonOf buckets an error into a bounded label value.
+func reasonOf(err error) string {
+	switch {
+	case errors.Is(err, transfer.ErrPeerDead):
+		return "peer_dead"
+	case errors.Is(err, transfer.ErrTimeout), errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	case errors.Is(err, transfer.ErrOutOfBounds), errors.Is(err, transfer.ErrAccessDenied):
+		return "bounds"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	}
+	s := err.Error()
+	for _, k := range []struct{ sub, label string }{
+		{"did not register", "bootstrap_timeout"}, {"did not receive", "bootstrap_timeout"},
+		{"canceled", "canceled"}, {"abort", "canceled"}, {"mismatch", "mismatch"}, {"transfer", "transfer"},
+		{"unreachable", "peer_dead"}, {"shutting down", "shutdown"},
+	} {
+		if strings.Contains(s, k.sub) {
+			return k.label
+		}
+	}
+	return "other"
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	json.NewEncoder(w).Encode(v)
+}
+
+func writeErr(w http.ResponseWriter, code int, msg string) {
+	writeJSON(w, code, map[string]any{"error": map[string]any{"message": msg, "code": code}})
+}

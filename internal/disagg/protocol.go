@@ -1,0 +1,107 @@
+// Package disagg implements prefill/decode disaggregation over the transfer
+// engine: the prefill side's bootstrap server and KV pushes, and the decode
+// side's page reservation, room registration and wait.
+//
+// One request, keyed by its bootstrap room:
+//
+//	decode:  reserve pages + aux slot -> GET prefill /bootstrap/info (checks
+//	         model, dtype, KV layout) -> POST /bootstrap/rooms {room, segment,
+//	         pages, aux} -> wait for the "kv" notification (bounded, with
+//	         heartbeats to the bootstrap server) -> decode with the KV in place.
+//	prefill: run the prompt in chunks; after each chunk write its full pages,
+//	         all layers, into decode's pages in one batch; with the last chunk
+//	         the remaining pages and the first token into the aux slot; then
+//	         notify Success or Failed with the reason.
+//
+// Room states on both sides: Bootstrapping -> WaitingForInput ->
+// Transferring -> Success | Failed.
+package disagg
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+)
+
+// State is a room's progress.
+type State int
+
+const (
+	Bootstrapping State = iota
+	WaitingForInput
+	Transferring
+	Success
+	Failed
+)
+
+var stateNames = [...]string{"bootstrapping", "waiting_for_input", "transferring", "success", "failed"}
+
+func (s State) String() string { return stateNames[s] }
+
+// Info is what each side says about itself at bootstrap. Prefill and decode
+// must agree on everything but the segment, addresses and pool size.
+type Info struct {
+	Model       string         `json:"model"`       // served model name
+	Fingerprint string         `json:"fingerprint"` // architecture: dims, layers, vocab
+	DType       string         `json:"dtype"`       // KV element type
+	Layout      kvcache.Layout `json:"layout"`
+	Segment     string         `json:"segment"` // transfer-engine segment name
+	PoolAddr    uint64         `json:"pool_addr"`
+	Incarnation string         `json:"incarnation"`
+}
+
+// Check refuses a peer whose model, dtype or KV layout differs, naming both
+// values.
+func (i Info) Check(peer Info) error {
+	if i.Model != peer.Model {
+		return fmt.Errorf("model mismatch: %q here, %q on the peer", i.Model, peer.Model)
+	}
+	if i.Fingerprint != peer.Fingerprint {
+		return fmt.Errorf("model architecture mismatch: %s here, %s on the peer", i.Fingerprint, peer.Fingerprint)
+	}
+	if i.DType != peer.DType {
+		return fmt.Errorf("KV dtype mismatch: %s here, %s on the peer", i.DType, peer.DType)
+	}
+	if i.Layout.PageSize != peer.Layout.PageSize {
+		return fmt.Errorf("page size mismatch: %d here, %d on the peer", i.Layout.PageSize, peer.Layout.PageSize)
+	}
+	return i.Layout.Compatible(peer.Layout)
+}
+
+// RoomRequest is decode's registration of a room with the prefill server.
+type RoomRequest struct {
+	Room    uint64  `json:"room"`
+	Decode  Info    `json:"decode"`
+	Pages   []int32 `json:"pages"`    // destination pages, in prompt order
+	AuxAddr uint64  `json:"aux_addr"` // where the first token goes
+	Tokens  int     `json:"tokens"`   // prompt length decode tokenized
+}
+
+// Result is the prefill's final word on a room, sent as a notification.
+type Result struct {
+	Room  uint64 `json:"room"`
+	OK    bool   `json:"ok"`
+	Error string `json:"error,omitempty"`
+	Bytes int64  `json:"bytes"`
+	// TransferSeconds is the time spent in KV transfers for this room.
+	TransferSeconds float64 `json:"transfer_seconds"`
+}
+
+// NotifyTopic is the transfer-engine notification topic of Results.
+const NotifyTopic = "mooncake.disagg.kv"
+
+// AuxSize is the size of one aux slot: room (8), first token (4), logprob (4).
+const AuxSize = 16
+
+func encodeAux(b []byte, room uint64, token int, logprob float32) {
+	binary.LittleEndian.PutUint64(b[0:], room)
+	binary.LittleEndian.PutUint32(b[8:], uint32(int32(token)))
+	binary.LittleEndian.PutUint32(b[12:], math.Float32bits(logprob))
+}
+
+func decodeAux(b []byte) (room uint64, token int, logprob float32) {
+	return binary.LittleEndian.Uint64(b[0:]), int(int32(binary.LittleEndian.Uint32(b[8:]))),
+		math.Float32frombits(binary.LittleEndian.Uint32(b[12:]))
+}
