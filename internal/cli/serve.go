@@ -1,0 +1,349 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
+	"github.com/mooncake-go/mooncake-go/internal/disagg"
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+	"github.com/mooncake-go/mooncake-go/internal/model"
+	"github.com/mooncake-go/mooncake-go/internal/server"
+	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+)
+
+func init() { commands = append(commands, newServeCmd) }
+
+type serveFlags struct {
+	transferFlags
+	modelPath, tokenizerPath, servedName string
+	host                                 string
+	port                                 int
+	device, dtype, mode                  string
+	bootstrapPort, transferPort          int
+	baseGPU, tpSize, pageSize            int
+	memFraction                          float64
+	maxTotalTokens, maxRunning, chunked  int
+	threads                              int
+	disaggTimeout                        time.Duration
+	seed                                 int64
+}
+
+func newServeCmd(g *globals) *cobra.Command {
+	var f serveFlags
+	cmd := &cobra.Command{
+		Use:   "serve",
+		Short: "Serve a model (colocated, or as the prefill or decode side of a disaggregated pair)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			lg, err := g.logger()
+			if err != nil {
+				return err
+			}
+			defer lg.Sync()
+			return runServe(cmd.Context(), &f, lg, cmd.OutOrStdout())
+		},
+	}
+	fl := cmd.Flags()
+	fl.StringVar(&f.modelPath, "model-path", "", "HF directory or llama2.c checkpoint (default: the built-in random-weight model)")
+	fl.StringVar(&f.tokenizerPath, "tokenizer-path", "", "llama2.c tokenizer.bin (for llama2.c checkpoints)")
+	fl.StringVar(&f.servedName, "served-model-name", "", "model name in the API (default: the model path)")
+	fl.StringVar(&f.host, "host", "127.0.0.1", "listen host (HTTP, bootstrap and transfer engine)")
+	fl.IntVar(&f.port, "port", 30000, "HTTP port")
+	fl.StringVar(&f.device, "device", "auto", "auto, cpu or cuda")
+	fl.StringVar(&f.dtype, "dtype", "auto", "auto, float32 or bfloat16")
+	fl.StringVar(&f.mode, "disaggregation-mode", "null", "null (colocated), prefill or decode")
+	fl.IntVar(&f.bootstrapPort, "disaggregation-bootstrap-port", 8998, "prefill bootstrap server port (0 picks a free one)")
+	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink or rdma")
+	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", "RDMA device (rdma backend)")
+	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait")
+	fl.IntVar(&f.transferPort, "transfer-port", 0, "transfer engine port (0 picks a free one; the segment name is host:port)")
+	fl.StringVar(&f.metadata, "metadata-server", "p2p", "p2p, embedded, etcd://host:port or http://host:port/metadata")
+	fl.StringVar(&f.clusterToken, "cluster-token", "", "shared secret peers' transfer engines must prove")
+	fl.DurationVar(&f.timeout, "transfer-timeout", 5*time.Second, "bound on one transfer batch")
+	fl.IntVar(&f.baseGPU, "base-gpu-id", 0, "first GPU to use")
+	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel size (only 1)")
+	fl.IntVar(&f.pageSize, "page-size", 0, "tokens per KV page (default 64 on cpu)")
+	fl.Float64Var(&f.memFraction, "mem-fraction-static", 0, "share of the device memory for weights + KV pool (cuda)")
+	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu; default 32768, at most a quarter of RAM)")
+	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
+	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
+	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
+	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
+	return cmd
+}
+
+func (f *serveFlags) validate() error {
+	switch f.mode {
+	case "null", "prefill", "decode":
+	default:
+		return fmt.Errorf("--disaggregation-mode %q: want null, prefill or decode", f.mode)
+	}
+	if f.tpSize != 1 {
+		return fmt.Errorf("--tp-size %d: only 1 is supported", f.tpSize)
+	}
+	switch f.dtype {
+	case "auto", "float32", "bfloat16":
+	default:
+		return fmt.Errorf("--dtype %q: want auto, float32 or bfloat16", f.dtype)
+	}
+	switch f.device {
+	case "auto", "cpu":
+	case "cuda":
+		return fmt.Errorf("--device cuda: %s", cudaModelUnavailable())
+	default:
+		return fmt.Errorf("--device %q: want auto, cpu or cuda", f.device)
+	}
+	if f.port < 0 || f.port > 65535 {
+		return fmt.Errorf("--port %d out of range", f.port)
+	}
+	if f.bootstrapPort < 0 || f.bootstrapPort > 65535 {
+		return fmt.Errorf("--disaggregation-bootstrap-port %d out of range", f.bootstrapPort)
+	}
+	if f.pageSize < 0 || f.maxTotalTokens < 0 || f.threads < 0 {
+		return errors.New("--page-size, --max-total-tokens and --threads must not be negative")
+	}
+	if f.memFraction < 0 || f.memFraction >= 1 {
+		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
+	}
+	if _, err := f.transports("--disaggregation-transfer-backend"); err != nil {
+		return err
+	}
+	return nil
+}
+
+// cudaModelUnavailable says why --device cuda cannot run.
+func cudaModelUnavailable() string {
+	return "the CUDA model backend is not in this build yet; use --device cpu"
+}
+
+// loadModel loads the model and its tokenizer from the flags.
+func loadModel(modelPath, tokPath string) (*model.Model, tokenizer.Tokenizer, error) {
+	if modelPath == "" {
+		return model.Builtin(), tokenizer.NewByteLevel(), nil
+	}
+	st, err := os.Stat(modelPath)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--model-path: %w", err)
+	}
+	m, err := model.Load(modelPath)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--model-path %s: %w", modelPath, err)
+	}
+	if st.IsDir() {
+		tok, err := tokenizer.LoadHF(modelPath)
+		if err != nil {
+			return nil, nil, fmt.Errorf("--model-path %s: tokenizer: %w", modelPath, err)
+		}
+		return m, tok, nil
+	}
+	if tokPath == "" {
+		for _, c := range []string{"tokenizer.bin", "tok512.bin"} {
+			p := filepath.Join(filepath.Dir(modelPath), c)
+			if _, err := os.Stat(p); err == nil {
+				tokPath = p
+				break
+			}
+		}
+		if tokPath == "" {
+			return nil, nil, fmt.Errorf("--tokenizer-path is required for the llama2.c checkpoint %s", modelPath)
+		}
+	}
+	tok, err := tokenizer.LoadLlama2C(tokPath, m.Config.Vocab)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--tokenizer-path %s: %w", tokPath, err)
+	}
+	return m, tok, nil
+}
+
+// poolTokens is the CPU KV pool size in tokens.
+func poolTokens(flag int, tokenBytes int64) int {
+	if flag > 0 {
+		return flag
+	}
+	n := int64(32768)
+	if quarter := physMem() / 4 / tokenBytes; quarter < n {
+		n = quarter
+	}
+	return int(max(n, 1024))
+}
+
+func physMem() int64 {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 8 << 30
+	}
+	var kb int64
+	fmt.Sscanf(string(b), "MemTotal: %d kB", &kb)
+	if kb == 0 {
+		return 8 << 30
+	}
+	return kb << 10
+}
+
+func fingerprint(c model.Config) string {
+	return fmt.Sprintf("%s dim=%d layers=%d heads=%d kv_heads=%d head_dim=%d vocab=%d", c.Arch, c.Dim, c.Layers, c.Heads, c.KVHeads, c.HeadDim, c.Vocab)
+}
+
+// servingStack is a running serve: what the command started, for shutdown
+// in reverse order.
+type servingStack struct {
+	closers []func() error
+}
+
+func (s *servingStack) add(f func() error) { s.closers = append(s.closers, f) }
+
+func (s *servingStack) close(lg *zap.Logger) {
+	for i := len(s.closers) - 1; i >= 0; i-- {
+		if err := s.closers[i](); err != nil {
+			lg.Warn("shutdown", zap.Error(err))
+		}
+	}
+}
+
+func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer) error {
+	if err := f.validate(); err != nil {
+		return err
+	}
+	reg := newRegistry()
+	st := &servingStack{}
+	defer st.close(lg)
+
+	httpLn, err := net.Listen("tcp", net.JoinHostPort(f.host, strconv.Itoa(f.port)))
+	if err != nil {
+		return fmt.Errorf("--port %d: %w", f.port, err)
+	}
+	st.add(func() error { httpLn.Close(); return nil })
+
+	m, tok, err := loadModel(f.modelPath, f.tokenizerPath)
+	if err != nil {
+		return err
+	}
+	name := f.servedName
+	if name == "" {
+		name = f.modelPath
+		if name == "" {
+			name = "builtin"
+		}
+	}
+	if m.Random {
+		lg.Warn("serving a model with RANDOM weights", zap.String("model", name))
+	}
+
+	var dec atomic.Pointer[disagg.Decode]
+	onNotify := func(n transfer.Notification) {
+		if d := dec.Load(); d != nil {
+			d.OnNotify(n)
+		}
+	}
+	te, teClose, err := f.newTransferEngine(ctx, net.JoinHostPort(f.host, strconv.Itoa(f.transferPort)), "", lg, reg, onNotify,
+		"--disaggregation-transfer-backend")
+	if err != nil {
+		return err
+	}
+	st.add(teClose.Close)
+
+	ps := f.pageSize
+	if ps == 0 {
+		ps = 64
+	}
+	probe := cpu.LayoutFor(m.Config, ps, 1)
+	tokens := poolTokens(f.maxTotalTokens, int64(probe.TokenBytes())*2*int64(probe.Layers))
+	layout := cpu.LayoutFor(m.Config, ps, (tokens+ps-1)/ps)
+	mem, err := te.AllocHost(ctx, layout.TotalBytes(), 0, transfer.AccessReadWrite)
+	if err != nil {
+		return fmt.Errorf("KV pool of %d bytes: %w", layout.TotalBytes(), err)
+	}
+	st.add(func() error { return te.FreeHost(context.Background(), mem) })
+	pool, err := kvcache.NewPool(layout, mem.Bytes())
+	if err != nil {
+		return err
+	}
+	threads := f.threads
+	if threads == 0 {
+		threads = runtime.GOMAXPROCS(0)
+	}
+	be, err := cpu.New(m, pool, threads)
+	if err != nil {
+		return err
+	}
+	st.add(be.Close)
+	eng, err := engine.New(engine.Config{
+		Model: be, Pages: pool.Alloc, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
+		ChunkedPrefillSize: f.chunked, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
+	})
+	if err != nil {
+		return err
+	}
+	engCtx, engCancel := context.WithCancel(context.Background())
+	engDone := make(chan error, 1)
+	go func() { engDone <- eng.Run(engCtx) }()
+	st.add(func() error { err := eng.Close(); engCancel(); <-engDone; return err })
+
+	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: "float32", Layout: layout,
+		Segment: te.Name(), PoolAddr: mem.Addr(), Incarnation: te.Incarnation()}
+	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": layout.Pages, "page_size": ps,
+		"device": "cpu", "threads": threads}
+	var prepare func(ctx context.Context, req *engine.Request, b server.Bootstrap) error
+	switch f.mode {
+	case "prefill":
+		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
+			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, Logger: lg, Registerer: reg})
+		if err != nil {
+			return err
+		}
+		st.add(pf.Close)
+		extra["bootstrap_port"] = pf.Port()
+		prepare = func(ctx context.Context, req *engine.Request, b server.Bootstrap) error {
+			return pf.Prepare(ctx, req, b.Room)
+		}
+	case "decode":
+		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: pool.Alloc,
+			Timeout: f.disaggTimeout, Logger: lg, Registerer: reg})
+		if err != nil {
+			return err
+		}
+		dec.Store(d)
+		st.add(d.Close)
+		prepare = func(ctx context.Context, req *engine.Request, b server.Bootstrap) error {
+			if b.Host == "" || b.Port == 0 {
+				return &server.Error{Status: 400, Message: "bootstrap_host and bootstrap_port are required on a decode server"}
+			}
+			return d.Prepare(ctx, req, b.Host, b.Port, b.Room)
+		}
+	}
+	srv, err := server.New(server.Config{
+		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
+		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
+		Info: func() map[string]any {
+			s := eng.Stats()
+			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages}
+			for k, v := range extra {
+				out[k] = v
+			}
+			return out
+		},
+		PrepareDisagg: prepare,
+	})
+	if err != nil {
+		return err
+	}
+	lg.Info("serving", zap.String("addr", httpLn.Addr().String()), zap.String("mode", f.mode), zap.String("model", name),
+		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
+	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
+	return srv.Serve(ctx, httpLn)
+}
