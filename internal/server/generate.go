@@ -1,0 +1,243 @@
+package server
+
+import (
+	"encoding/json"
+	"net/http"
+
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+)
+
+// generateRequest is the body of SGLang's /generate.
+type generateRequest struct {
+	Text           json.RawMessage   `json:"text"`
+	InputIDs       json.RawMessage   `json:"input_ids"`
+	SamplingParams *generateSampling `json:"sampling_params"`
+	Stream         bool              `json:"stream"`
+	ReturnLogprob  bool              `json:"return_logprob"`
+	RID            *string           `json:"rid"`
+	InputEmbeds    json.RawMessage   `json:"input_embeds"`
+	bootstrapFields
+}
+
+// generateSampling is SGLang's sampling_params.
+type generateSampling struct {
+	MaxNewTokens      *int     `json:"max_new_tokens"`
+	Temperature       *float64 `json:"temperature"`
+	TopP              *float64 `json:"top_p"`
+	TopK              *int     `json:"top_k"`
+	MinP              *float64 `json:"min_p"`
+	FrequencyPenalty  *float64 `json:"frequency_penalty"`
+	PresencePenalty   *float64 `json:"presence_penalty"`
+	RepetitionPenalty *float64 `json:"repetition_penalty"`
+	Stop              stopList `json:"stop"`
+	StopTokenIDs      []int    `json:"stop_token_ids"`
+	IgnoreEOS         bool     `json:"ignore_eos"`
+	Seed              *int64   `json:"seed"`
+	SamplingSeed      *int64   `json:"sampling_seed"` // SGLang's name
+	N                 *int     `json:"n"`
+}
+
+// decodeGenerate decodes and checks a /generate body (no tokenization).
+func decodeGenerate(body []byte) (*spec, *Error) {
+	var g generateRequest
+	if e := unmarshalObject(body, &g); e != nil {
+		return nil, e
+	}
+	hasText := jsonKind(g.Text) != "absent" && jsonKind(g.Text) != "null"
+	hasIDs := jsonKind(g.InputIDs) != "absent" && jsonKind(g.InputIDs) != "null"
+	switch {
+	case jsonKind(g.InputEmbeds) != "absent" && jsonKind(g.InputEmbeds) != "null":
+		return nil, badRequest("input_embeds", "input_embeds is not supported")
+	case hasText && hasIDs:
+		return nil, badRequest("text", "give either text or input_ids, not both")
+	case !hasText && !hasIDs:
+		return nil, badRequest("text", "either text or input_ids is required")
+	}
+	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob}
+	var e *Error
+	if hasText {
+		if jsonKind(g.Text) != "string" && !(jsonKind(g.Text) == "array" && firstElemKind(g.Text) == "string") {
+			return nil, badRequest("text", "text: expected a string, got JSON %s", jsonKind(g.Text))
+		}
+		sp.prompt, e = decodeTextOrIDs("text", g.Text)
+	} else {
+		if jsonKind(g.InputIDs) != "array" {
+			return nil, badRequest("input_ids", "input_ids: expected a list of integer token ids, got JSON %s", jsonKind(g.InputIDs))
+		}
+		sp.prompt, e = decodeTextOrIDs("input_ids", g.InputIDs)
+	}
+	if e != nil {
+		return nil, e
+	}
+	if g.RID != nil {
+		sp.rid = *g.RID
+	}
+	if p := g.SamplingParams; p != nil {
+		seed := p.Seed
+		if seed == nil {
+			seed = p.SamplingSeed
+		}
+		sp.sampling = sampling{
+			MaxNewTokens: p.MaxNewTokens, Temperature: p.Temperature, TopP: p.TopP, TopK: p.TopK, MinP: p.MinP,
+			FrequencyPenalty: p.FrequencyPenalty, PresencePenalty: p.PresencePenalty, RepetitionPenalty: p.RepetitionPenalty,
+			Stop: p.Stop, StopTokenIDs: p.StopTokenIDs, IgnoreEOS: p.IgnoreEOS, Seed: seed, N: p.N,
+		}
+	}
+	sp.sampling.maxName = "max_new_tokens"
+	sp.sampling.prefix = "sampling_params."
+	if sp.boot, e = g.bootstrap(); e != nil {
+		return nil, e
+	}
+	return sp, nil
+}
+
+// generateResponse is /generate's answer, and each event of its stream
+// (text and output_ids cumulative).
+type generateResponse struct {
+	Text      string       `json:"text"`
+	OutputIDs []int        `json:"output_ids"`
+	MetaInfo  generateMeta `json:"meta_info"`
+}
+
+type generateMeta struct {
+	ID                  string   `json:"id"`
+	FinishReason        any      `json:"finish_reason"` // null while streaming
+	PromptTokens        int      `json:"prompt_tokens"`
+	CompletionTokens    int      `json:"completion_tokens"`
+	CachedTokens        int      `json:"cached_tokens"`
+	E2ELatency          float64  `json:"e2e_latency"`
+	OutputTokenLogprobs [][3]any `json:"output_token_logprobs,omitempty"`
+}
+
+// sglangFinish is SGLang's finish_reason object.
+func sglangFinish(f *engine.Finish, completion int) map[string]any {
+	out := map[string]any{"type": f.Type}
+	switch f.Type {
+	case "stop":
+		if f.Matched != nil {
+			out["matched"] = f.Matched
+		}
+	case "length":
+		out["length"] = completion
+	case "abort":
+		msg := "aborted"
+		if f.Err != nil {
+			msg = f.Err.Error()
+		}
+		out["message"] = msg
+	}
+	return out
+}
+
+func (rn *run) generateObject() generateResponse {
+	ids := rn.ids
+	if ids == nil {
+		ids = []int{}
+	}
+	m := generateMeta{
+		ID:               rn.req.ID,
+		PromptTokens:     rn.promptTokens(),
+		CompletionTokens: rn.completionTokens(),
+		E2ELatency:       rn.elapsed(),
+	}
+	if rn.finish != nil {
+		m.FinishReason = sglangFinish(rn.finish, len(rn.ids))
+	}
+	if rn.req.Logprobs {
+		m.OutputTokenLogprobs = make([][3]any, len(rn.ids))
+		for i, id := range rn.ids {
+			m.OutputTokenLogprobs[i] = [3]any{rn.logprobs[i], id, nil}
+		}
+	}
+	return generateResponse{Text: rn.text.String(), OutputIDs: ids, MetaInfo: m}
+}
+
+func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request) {
+	rn := s.begin("generate")
+	var err error
+	defer func() { rn.end(err) }()
+	if e := s.gate(); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	sp, e := decodeGenerate(body)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	req, maxZero, e := s.build(sp)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	if e := rn.submit(r.Context(), req, sp.boot, maxZero); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	if sp.stream {
+		rn.stream(w, func(out *sse, ev engine.Event) { out.event(rn.generateObject()) }, nil)
+		return
+	}
+	rn.collect()
+	if ferr := rn.failure(); ferr != nil {
+		err = ferr
+		rn.fail(w, asError(ferr))
+		return
+	}
+	writeJSON(w, http.StatusOK, rn.generateObject())
+}
+
+// stream is the streaming flow shared by every API. It waits for the first
+// event, so that a request failing before any output gets a plain HTTP
+// error; then it starts the SSE stream and calls emit for every event. A
+// failure after the start sends an error event and no [DONE]; otherwise
+// final (if set) writes its last events and [DONE] ends the stream.
+func (rn *run) stream(w http.ResponseWriter, emit func(out *sse, ev engine.Event), final func(out *sse)) {
+	ev, ok := rn.next()
+	if !ok {
+		rn.fail(w, errorf(http.StatusInternalServerError, "no events"))
+		return
+	}
+	if ev.Finish != nil && rn.failure() != nil && len(rn.ids) == 0 && rn.text.Len() == 0 {
+		rn.fail(w, asError(rn.failure()))
+		return
+	}
+	out := startSSE(w)
+	for {
+		if ev.Finish != nil && rn.failure() != nil {
+			break
+		}
+		emit(out, ev)
+		if ev, ok = rn.next(); !ok {
+			break
+		}
+	}
+	if ferr := rn.failure(); ferr != nil {
+		e := asError(ferr)
+		rn.status = e.Status
+		if e.Status != statusClientClosed {
+			out.fail(e)
+		}
+		return
+	}
+	if final != nil {
+		final(out)
+	}
+	out.done()
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		writeError(w, errorf(http.StatusInternalServerError, "encoding response: %v", err))
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(append(b, '\n'))
+}

@@ -1,0 +1,109 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+)
+
+// healthGenerateTimeout bounds /health_generate's one-token generation.
+const healthGenerateTimeout = 20 * time.Second
+
+func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) {
+	if !s.ready() {
+		writeError(w, errorf(http.StatusServiceUnavailable, "server is not ready"))
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+// handleHealthGenerate runs a one-token generation: 200 if it produced a
+// token, 503 otherwise.
+func (s *Server) handleHealthGenerate(w http.ResponseWriter, r *http.Request) {
+	if !s.ready() {
+		writeError(w, errorf(http.StatusServiceUnavailable, "server is not ready"))
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), healthGenerateTimeout)
+	defer cancel()
+	if err := s.generateOne(ctx); err != nil {
+		s.lg.Warn("health_generate failed", zap.Error(err))
+		writeError(w, &Error{Status: http.StatusServiceUnavailable, Message: "health check generation failed: " + err.Error(), Err: err})
+		return
+	}
+	w.WriteHeader(http.StatusOK)
+}
+
+func (s *Server) generateOne(ctx context.Context) error {
+	ids, err := s.cfg.Tokenizer.Encode("Hello", true)
+	if err != nil {
+		return fmt.Errorf("tokenizing: %w", err)
+	}
+	if len(ids) == 0 {
+		ids = []int{0}
+	}
+	req := &engine.Request{ID: newID("health-"), InputIDs: ids, Params: engine.SamplingParams{MaxNewTokens: 1, IgnoreEOS: true}}
+	ch, err := s.cfg.Generator.Submit(ctx, req)
+	if err != nil {
+		return err
+	}
+	tokens := 0
+	var fin *engine.Finish
+	for ev := range ch {
+		if ev.Token >= 0 {
+			tokens++
+		}
+		if ev.Finish != nil {
+			fin = ev.Finish
+		}
+	}
+	switch {
+	case fin == nil:
+		return errNoFinish
+	case fin.Type == "abort":
+		if fin.Err != nil {
+			return fin.Err
+		}
+		return fmt.Errorf("aborted")
+	case tokens == 0:
+		return fmt.Errorf("no token generated")
+	}
+	return nil
+}
+
+func (s *Server) handleModelInfo(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{
+		"model_path":        s.cfg.ModelPath,
+		"served_model_name": s.cfg.ModelName,
+		"is_generation":     true,
+		"random_weights":    s.cfg.RandomWeights,
+		"context_length":    s.cfg.ContextLen,
+	})
+}
+
+func (s *Server) handleServerInfo(w http.ResponseWriter, r *http.Request) {
+	info := map[string]any{
+		"disaggregation_mode": s.cfg.Mode,
+		"model_path":          s.cfg.ModelPath,
+		"served_model_name":   s.cfg.ModelName,
+		"context_length":      s.cfg.ContextLen,
+		"max_body_bytes":      s.cfg.MaxBodyBytes,
+		"ready":               s.ready(),
+	}
+	if s.cfg.Info != nil {
+		for k, v := range s.cfg.Info() {
+			info[k] = v
+		}
+	}
+	writeJSON(w, http.StatusOK, info)
+}
+
+// zapPrintln adapts a zap logger to promhttp's Logger.
+type zapPrintln struct{ lg *zap.Logger }
+
+func (z zapPrintln) Println(v ...any) { z.lg.Error(fmt.Sprint(v...)) }

@@ -1,0 +1,591 @@
+package server
+
+import (
+	"encoding/json"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+)
+
+// defaultCompletionMaxTokens is OpenAI's default max_tokens for /v1/completions.
+const defaultCompletionMaxTokens = 16
+
+type streamOptions struct {
+	IncludeUsage bool `json:"include_usage"`
+}
+
+// openaiSampling is the sampling fields of both OpenAI bodies, with SGLang's
+// extensions (top_k, min_p, stop_token_ids, ignore_eos, rid).
+type openaiSampling struct {
+	Temperature       *float64 `json:"temperature"`
+	TopP              *float64 `json:"top_p"`
+	TopK              *int     `json:"top_k"`
+	MinP              *float64 `json:"min_p"`
+	FrequencyPenalty  *float64 `json:"frequency_penalty"`
+	PresencePenalty   *float64 `json:"presence_penalty"`
+	RepetitionPenalty *float64 `json:"repetition_penalty"`
+	N                 *int     `json:"n"`
+	Stop              stopList `json:"stop"`
+	StopTokenIDs      []int    `json:"stop_token_ids"`
+	IgnoreEOS         bool     `json:"ignore_eos"`
+	Seed              *int64   `json:"seed"`
+}
+
+func (o *openaiSampling) sampling(maxTokens *int, maxName string) sampling {
+	return sampling{
+		MaxNewTokens: maxTokens, Temperature: o.Temperature, TopP: o.TopP, TopK: o.TopK, MinP: o.MinP,
+		FrequencyPenalty: o.FrequencyPenalty, PresencePenalty: o.PresencePenalty, RepetitionPenalty: o.RepetitionPenalty,
+		Stop: o.Stop, StopTokenIDs: o.StopTokenIDs, IgnoreEOS: o.IgnoreEOS, Seed: o.Seed, N: o.N, maxName: maxName,
+	}
+}
+
+// completionRequest is the body of /v1/completions.
+type completionRequest struct {
+	Model         string          `json:"model"`
+	Prompt        json.RawMessage `json:"prompt"`
+	MaxTokens     *int            `json:"max_tokens"`
+	BestOf        *int            `json:"best_of"`
+	Stream        bool            `json:"stream"`
+	StreamOptions *streamOptions  `json:"stream_options"`
+	Logprobs      *int            `json:"logprobs"`
+	Echo          bool            `json:"echo"`
+	Suffix        *string         `json:"suffix"`
+	RID           *string         `json:"rid"`
+	openaiSampling
+	bootstrapFields
+}
+
+// openaiSpec is a decoded OpenAI request.
+type openaiSpec struct {
+	spec
+	model        string
+	includeUsage bool
+	topLogprobs  int // completions: logprobs; chat: top_logprobs
+}
+
+func decodeCompletion(body []byte) (*openaiSpec, *Error) {
+	var c completionRequest
+	if e := unmarshalObject(body, &c); e != nil {
+		return nil, e
+	}
+	switch {
+	case c.BestOf != nil && *c.BestOf != 1:
+		return nil, badRequest("best_of", "best_of=%d is not supported: only 1", *c.BestOf)
+	case c.Echo:
+		return nil, badRequest("echo", "echo is not supported")
+	case c.Suffix != nil && *c.Suffix != "":
+		return nil, badRequest("suffix", "suffix is not supported")
+	case c.Logprobs != nil && (*c.Logprobs < 0 || *c.Logprobs > 20):
+		return nil, badRequest("logprobs", "logprobs must be in [0, 20], got %d", *c.Logprobs)
+	}
+	p, e := decodeTextOrIDs("prompt", c.Prompt)
+	if e != nil {
+		return nil, e
+	}
+	maxTokens := c.MaxTokens
+	if maxTokens == nil {
+		d := defaultCompletionMaxTokens
+		maxTokens = &d
+	}
+	o := &openaiSpec{model: c.Model}
+	o.prompt = p
+	o.stream = c.Stream
+	o.includeUsage = c.StreamOptions != nil && c.StreamOptions.IncludeUsage
+	if c.Logprobs != nil {
+		o.logprobs = true
+		o.topLogprobs = *c.Logprobs
+	}
+	if c.RID != nil {
+		o.rid = *c.RID
+	}
+	o.sampling = c.openaiSampling.sampling(maxTokens, "max_tokens")
+	if o.boot, e = c.bootstrap(); e != nil {
+		return nil, e
+	}
+	return o, nil
+}
+
+// chatRequest is the body of /v1/chat/completions.
+type chatRequest struct {
+	Model               string          `json:"model"`
+	Messages            []chatMessage   `json:"messages"`
+	MaxTokens           *int            `json:"max_tokens"`
+	MaxCompletionTokens *int            `json:"max_completion_tokens"`
+	Stream              bool            `json:"stream"`
+	StreamOptions       *streamOptions  `json:"stream_options"`
+	Logprobs            bool            `json:"logprobs"`
+	TopLogprobs         *int            `json:"top_logprobs"`
+	Tools               json.RawMessage `json:"tools"`
+	ResponseFormat      *struct {
+		Type string `json:"type"`
+	} `json:"response_format"`
+	RID *string `json:"rid"`
+	openaiSampling
+	bootstrapFields
+}
+
+type chatMessage struct {
+	Role    string      `json:"role"`
+	Content chatContent `json:"content"`
+	Name    string      `json:"name"`
+}
+
+// chatContent is a message's content: a string, null, or a list of parts of
+// which only {"type":"text"} is supported.
+type chatContent string
+
+func (c *chatContent) UnmarshalJSON(b []byte) error {
+	switch jsonKind(b) {
+	case "null":
+		*c = ""
+		return nil
+	case "string":
+		var s string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		*c = chatContent(s)
+		return nil
+	case "array":
+		var parts []struct {
+			Type string  `json:"type"`
+			Text *string `json:"text"`
+		}
+		if err := json.Unmarshal(b, &parts); err != nil {
+			return &fieldError{"messages.content", "expected a string or a list of content parts"}
+		}
+		texts := make([]string, 0, len(parts))
+		for _, p := range parts {
+			if p.Type != "text" || p.Text == nil {
+				return &fieldError{"messages.content", "only text content parts are supported, got type " + jsonQuote(p.Type)}
+			}
+			texts = append(texts, *p.Text)
+		}
+		*c = chatContent(strings.Join(texts, "\n"))
+		return nil
+	default:
+		return &fieldError{"messages.content", "expected a string or a list of content parts"}
+	}
+}
+
+func jsonQuote(s string) string {
+	b, _ := json.Marshal(s)
+	return string(b)
+}
+
+// chatSpec is a decoded chat request before its template is applied.
+type chatSpec struct {
+	openaiSpec
+	messages []ChatMessage
+}
+
+func decodeChat(body []byte) (*chatSpec, *Error) {
+	var c chatRequest
+	if e := unmarshalObject(body, &c); e != nil {
+		return nil, e
+	}
+	switch {
+	case len(c.Messages) == 0:
+		return nil, badRequest("messages", "messages is empty")
+	case jsonKind(c.Tools) == "array" && strings.TrimSpace(string(c.Tools)) != "[]":
+		return nil, badRequest("tools", "tools are not supported")
+	case c.ResponseFormat != nil && c.ResponseFormat.Type != "" && c.ResponseFormat.Type != "text":
+		return nil, badRequest("response_format", "response_format %q is not supported", c.ResponseFormat.Type)
+	case c.TopLogprobs != nil && (*c.TopLogprobs < 0 || *c.TopLogprobs > 20):
+		return nil, badRequest("top_logprobs", "top_logprobs must be in [0, 20], got %d", *c.TopLogprobs)
+	}
+	msgs := make([]ChatMessage, 0, len(c.Messages))
+	for i, m := range c.Messages {
+		role := m.Role
+		switch role {
+		case "developer":
+			role = "system"
+		case "system", "user", "assistant", "tool":
+		default:
+			return nil, badRequest("messages", "messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role)
+		}
+		msgs = append(msgs, ChatMessage{Role: role, Content: string(m.Content)})
+	}
+	maxTokens, maxName := c.MaxCompletionTokens, "max_completion_tokens"
+	if maxTokens == nil {
+		maxTokens, maxName = c.MaxTokens, "max_tokens"
+	}
+	o := &chatSpec{messages: msgs}
+	o.model = c.Model
+	o.stream = c.Stream
+	o.includeUsage = c.StreamOptions != nil && c.StreamOptions.IncludeUsage
+	o.logprobs = c.Logprobs
+	if c.TopLogprobs != nil {
+		o.topLogprobs = *c.TopLogprobs
+	}
+	if c.RID != nil {
+		o.rid = *c.RID
+	}
+	o.sampling = c.openaiSampling.sampling(maxTokens, maxName)
+	var e *Error
+	if o.boot, e = c.bootstrap(); e != nil {
+		return nil, e
+	}
+	return o, nil
+}
+
+// render applies the chat template. The template's text is encoded with a
+// BOS only if it does not begin with the BOS token's text already.
+func (s *Server) render(c *chatSpec) *Error {
+	text, err := s.cfg.ChatTemplate(c.messages)
+	if err != nil {
+		return badRequest("messages", "applying the chat template: %v", err)
+	}
+	addBOS := true
+	if bos := s.cfg.Tokenizer.BOS(); bos >= 0 {
+		if t := s.cfg.Tokenizer.TokenText(bos); t != "" && strings.HasPrefix(text, t) {
+			addBOS = false
+		}
+	}
+	c.prompt = prompt{text: text, isText: true, addBOS: addBOS, field: "messages"}
+	return nil
+}
+
+// PlainChatTemplate is the built-in template for models without one:
+// "role: content" lines, then "assistant:" to prompt the reply.
+func PlainChatTemplate(msgs []ChatMessage) (string, error) {
+	var b strings.Builder
+	for _, m := range msgs {
+		b.WriteString(m.Role)
+		b.WriteString(": ")
+		b.WriteString(m.Content)
+		b.WriteString("\n")
+	}
+	b.WriteString("assistant:")
+	return b.String(), nil
+}
+
+// Response objects.
+
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+}
+
+type completionChoice struct {
+	Index        int                `json:"index"`
+	Text         string             `json:"text"`
+	Logprobs     *completionLogprob `json:"logprobs"`
+	FinishReason *string            `json:"finish_reason"`
+	MatchedStop  any                `json:"matched_stop,omitempty"`
+}
+
+type completionLogprob struct {
+	Tokens        []string             `json:"tokens"`
+	TokenLogprobs []float32            `json:"token_logprobs"`
+	TopLogprobs   []map[string]float32 `json:"top_logprobs"`
+	TextOffset    []int                `json:"text_offset"`
+}
+
+type completionResponse struct {
+	ID      string             `json:"id"`
+	Object  string             `json:"object"`
+	Created int64              `json:"created"`
+	Model   string             `json:"model"`
+	Choices []completionChoice `json:"choices"`
+	Usage   *usage             `json:"usage,omitempty"`
+}
+
+type chatMessageOut struct {
+	Role    string `json:"role,omitempty"`
+	Content string `json:"content"`
+}
+
+type chatDelta struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+type chatTokenLogprob struct {
+	Token       string           `json:"token"`
+	Logprob     float32          `json:"logprob"`
+	Bytes       []int            `json:"bytes"`
+	TopLogprobs []chatTopLogprob `json:"top_logprobs"`
+}
+
+type chatTopLogprob struct {
+	Token   string  `json:"token"`
+	Logprob float32 `json:"logprob"`
+	Bytes   []int   `json:"bytes"`
+}
+
+type chatLogprobs struct {
+	Content []chatTokenLogprob `json:"content"`
+}
+
+type chatChoice struct {
+	Index        int             `json:"index"`
+	Message      *chatMessageOut `json:"message,omitempty"`
+	Delta        *chatDelta      `json:"delta,omitempty"`
+	Logprobs     *chatLogprobs   `json:"logprobs"`
+	FinishReason *string         `json:"finish_reason"`
+	MatchedStop  any             `json:"matched_stop,omitempty"`
+}
+
+type chatResponse struct {
+	ID      string       `json:"id"`
+	Object  string       `json:"object"`
+	Created int64        `json:"created"`
+	Model   string       `json:"model"`
+	Choices []chatChoice `json:"choices"`
+	Usage   *usage       `json:"usage,omitempty"`
+}
+
+func (rn *run) usage() *usage {
+	p, c := rn.promptTokens(), rn.completionTokens()
+	return &usage{PromptTokens: p, CompletionTokens: c, TotalTokens: p + c}
+}
+
+// openaiFinish is the finish_reason string and matched_stop of a finish.
+func openaiFinish(f *engine.Finish) (*string, any) {
+	if f == nil {
+		return nil, nil
+	}
+	t := f.Type
+	if f.Type == "stop" {
+		return &t, f.Matched
+	}
+	return &t, nil
+}
+
+func (s *Server) tokenText(id int) string { return s.cfg.Tokenizer.TokenText(id) }
+
+// completionLogprobs is the logprobs object of output tokens [from, to).
+func (rn *run) completionLogprobs(from, to, offset, top int) *completionLogprob {
+	lp := &completionLogprob{Tokens: []string{}, TokenLogprobs: []float32{}, TextOffset: []int{}}
+	if top > 0 {
+		lp.TopLogprobs = []map[string]float32{}
+	}
+	for i := from; i < to; i++ {
+		t := rn.s.tokenText(rn.ids[i])
+		lp.Tokens = append(lp.Tokens, t)
+		lp.TokenLogprobs = append(lp.TokenLogprobs, rn.logprobs[i])
+		lp.TextOffset = append(lp.TextOffset, offset)
+		offset += len(t)
+		if top > 0 {
+			lp.TopLogprobs = append(lp.TopLogprobs, map[string]float32{t: rn.logprobs[i]})
+		}
+	}
+	return lp
+}
+
+func tokenBytes(t string) []int {
+	out := make([]int, len(t))
+	for i := 0; i < len(t); i++ {
+		out[i] = int(t[i])
+	}
+	return out
+}
+
+func (rn *run) chatLogprobs(from, to, top int) *chatLogprobs {
+	lp := &chatLogprobs{Content: []chatTokenLogprob{}}
+	for i := from; i < to; i++ {
+		t := rn.s.tokenText(rn.ids[i])
+		c := chatTokenLogprob{Token: t, Logprob: rn.logprobs[i], Bytes: tokenBytes(t), TopLogprobs: []chatTopLogprob{}}
+		if top > 0 {
+			c.TopLogprobs = append(c.TopLogprobs, chatTopLogprob{Token: t, Logprob: rn.logprobs[i], Bytes: c.Bytes})
+		}
+		lp.Content = append(lp.Content, c)
+	}
+	return lp
+}
+
+// openaiPrepare runs the steps both OpenAI endpoints share after decoding:
+// the model check, tokenization and submission.
+func (s *Server) openaiPrepare(r *http.Request, rn *run, o *openaiSpec) *Error {
+	if !s.knownModel(o.model) {
+		return &Error{Status: http.StatusNotFound, Param: "model",
+			Message: "the model " + jsonQuote(o.model) + " does not exist; this server serves " + jsonQuote(s.cfg.ModelName)}
+	}
+	req, maxZero, e := s.build(&o.spec)
+	if e != nil {
+		return e
+	}
+	return rn.submit(r.Context(), req, o.boot, maxZero)
+}
+
+func (s *Server) modelOf(o *openaiSpec) string {
+	if o.model != "" {
+		return o.model
+	}
+	return s.cfg.ModelName
+}
+
+func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
+	rn := s.begin("completions")
+	defer func() { rn.end(nil) }()
+	if e := s.gate(); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	o, e := decodeCompletion(body)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	if e := s.openaiPrepare(r, rn, o); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	id, created, model := "cmpl-"+rn.req.ID, time.Now().Unix(), s.modelOf(o)
+	chunk := func(choices []completionChoice) completionResponse {
+		return completionResponse{ID: id, Object: "text_completion", Created: created, Model: model, Choices: choices}
+	}
+	if o.stream {
+		sent, offset := 0, 0 // tokens and bytes of text already sent
+		sentText := 0
+		emit := func(out *sse, ev engine.Event) {
+			text := rn.text.String()[sentText:]
+			if text == "" && ev.Finish == nil && !o.logprobs {
+				return
+			}
+			ch := completionChoice{Text: text}
+			if o.logprobs {
+				ch.Logprobs = rn.completionLogprobs(sent, len(rn.ids), offset, o.topLogprobs)
+				for _, t := range ch.Logprobs.Tokens {
+					offset += len(t)
+				}
+			}
+			ch.FinishReason, ch.MatchedStop = openaiFinish(ev.Finish)
+			sent, sentText = len(rn.ids), rn.text.Len()
+			out.event(chunk([]completionChoice{ch}))
+		}
+		final := func(out *sse) {
+			if o.includeUsage {
+				c := chunk([]completionChoice{})
+				c.Usage = rn.usage()
+				out.event(c)
+			}
+		}
+		rn.stream(w, emit, final)
+		return
+	}
+	rn.collect()
+	if ferr := rn.failure(); ferr != nil {
+		rn.fail(w, asError(ferr))
+		return
+	}
+	ch := completionChoice{Text: rn.text.String()}
+	ch.FinishReason, ch.MatchedStop = openaiFinish(rn.finish)
+	if o.logprobs {
+		ch.Logprobs = rn.completionLogprobs(0, len(rn.ids), 0, o.topLogprobs)
+	}
+	resp := chunk([]completionChoice{ch})
+	resp.Usage = rn.usage()
+	writeJSON(w, http.StatusOK, resp)
+}
+
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+	rn := s.begin("chat")
+	defer func() { rn.end(nil) }()
+	if e := s.gate(); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	c, e := decodeChat(body)
+	if e != nil {
+		rn.fail(w, e)
+		return
+	}
+	if e := s.render(c); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	if e := s.openaiPrepare(r, rn, &c.openaiSpec); e != nil {
+		rn.fail(w, e)
+		return
+	}
+	id, created, model := "chatcmpl-"+rn.req.ID, time.Now().Unix(), s.modelOf(&c.openaiSpec)
+	chunk := func(ch chatChoice) chatResponse {
+		return chatResponse{ID: id, Object: "chat.completion.chunk", Created: created, Model: model, Choices: []chatChoice{ch}}
+	}
+	if c.stream {
+		started, sent, sentText := false, 0, 0
+		emit := func(out *sse, ev engine.Event) {
+			if !started {
+				started = true
+				empty := ""
+				out.event(chunk(chatChoice{Delta: &chatDelta{Role: "assistant", Content: &empty}}))
+			}
+			text := rn.text.String()[sentText:]
+			if text != "" || (c.logprobs && len(rn.ids) > sent) {
+				ch := chatChoice{Delta: &chatDelta{Content: &text}}
+				if c.logprobs {
+					ch.Logprobs = rn.chatLogprobs(sent, len(rn.ids), c.topLogprobs)
+				}
+				sent, sentText = len(rn.ids), rn.text.Len()
+				out.event(chunk(ch))
+			}
+			if ev.Finish != nil {
+				ch := chatChoice{Delta: &chatDelta{}}
+				ch.FinishReason, ch.MatchedStop = openaiFinish(ev.Finish)
+				out.event(chunk(ch))
+			}
+		}
+		final := func(out *sse) {
+			if c.includeUsage {
+				u := chatResponse{ID: id, Object: "chat.completion.chunk", Created: created, Model: model, Choices: []chatChoice{}, Usage: rn.usage()}
+				out.event(u)
+			}
+		}
+		rn.stream(w, emit, final)
+		return
+	}
+	rn.collect()
+	if ferr := rn.failure(); ferr != nil {
+		rn.fail(w, asError(ferr))
+		return
+	}
+	ch := chatChoice{Message: &chatMessageOut{Role: "assistant", Content: rn.text.String()}}
+	ch.FinishReason, ch.MatchedStop = openaiFinish(rn.finish)
+	if c.logprobs {
+		ch.Logprobs = rn.chatLogprobs(0, len(rn.ids), c.topLogprobs)
+	}
+	resp := chatResponse{ID: id, Object: "chat.completion", Created: created, Model: model, Choices: []chatChoice{ch}, Usage: rn.usage()}
+	writeJSON(w, http.StatusOK, resp)
+}
+
+type modelCard struct {
+	ID          string `json:"id"`
+	Object      string `json:"object"`
+	Created     int64  `json:"created"`
+	OwnedBy     string `json:"owned_by"`
+	Root        string `json:"root,omitempty"`
+	MaxModelLen int    `json:"max_model_len,omitempty"`
+}
+
+func (s *Server) card() modelCard {
+	return modelCard{ID: s.cfg.ModelName, Object: "model", Created: s.created, OwnedBy: "mooncake-go",
+		Root: s.cfg.ModelPath, MaxModelLen: s.cfg.ContextLen}
+}
+
+func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": []modelCard{s.card()}})
+}
+
+func (s *Server) handleModel(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("model")
+	if name == "" || !s.knownModel(name) {
+		writeError(w, &Error{Status: http.StatusNotFound, Param: "model", Message: "the model " + jsonQuote(name) + " does not exist"})
+		return
+	}
+	writeJSON(w, http.StatusOK, s.card())
+}

@@ -1,0 +1,211 @@
+package server
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+)
+
+// errNoFinish is the abort cause when a Generator closes a request's channel
+// without a Finish event.
+var errNoFinish = errors.New("server: generator closed the stream without a finish event")
+
+// run is one request on the Generator: it accumulates the output, measures
+// latencies and logs the request when it ends.
+type run struct {
+	s        *Server
+	endpoint string
+	req      *engine.Request
+	start    time.Time
+	events   <-chan engine.Event
+	closed   bool
+
+	text     strings.Builder
+	ids      []int
+	logprobs []float32
+	finish   *engine.Finish
+	status   int // logged
+	logged   bool
+}
+
+// newID returns a random request id with a prefix.
+func newID(prefix string) string {
+	var b [12]byte
+	_, _ = rand.Read(b[:])
+	return prefix + hex.EncodeToString(b[:])
+}
+
+// begin makes a run for an endpoint; call end (through a defer) once.
+func (s *Server) begin(endpoint string) *run {
+	s.metrics.inflight.Inc()
+	return &run{s: s, endpoint: endpoint, start: time.Now(), status: http.StatusOK}
+}
+
+// submit prepares disaggregation and submits req. maxZero requests finish at
+// once with no output.
+func (rn *run) submit(ctx context.Context, req *engine.Request, boot *Bootstrap, maxZero bool) *Error {
+	rn.req = req
+	if req.ID == "" {
+		req.ID = newID("")
+	}
+	if boot != nil {
+		req.Room = boot.Room
+		if p := rn.s.cfg.PrepareDisagg; p != nil {
+			if err := p(ctx, req, *boot); err != nil {
+				return asError(fmt.Errorf("disaggregation: %w", err))
+			}
+		}
+	}
+	if maxZero {
+		ch := make(chan engine.Event, 1)
+		ch <- engine.Event{Token: -1, Finish: &engine.Finish{Type: "length", PromptTokens: len(req.InputIDs)}}
+		close(ch)
+		rn.events = ch
+		return nil
+	}
+	ch, err := rn.s.cfg.Generator.Submit(ctx, req)
+	if err != nil {
+		return asError(err)
+	}
+	rn.events = ch
+	return nil
+}
+
+// next returns the next event, accumulated into the run; ok is false after
+// the event that carried the Finish (or when the channel closed without
+// one, which becomes an abort).
+func (rn *run) next() (ev engine.Event, ok bool) {
+	if rn.finish != nil || rn.events == nil {
+		return engine.Event{}, false
+	}
+	ev, ok = <-rn.events
+	if !ok {
+		rn.closed = true
+		ev = engine.Event{Token: -1, Finish: &engine.Finish{Type: "abort", Err: errNoFinish}}
+	}
+	now := time.Now()
+	if ev.Token >= 0 {
+		if len(rn.ids) == 0 {
+			rn.s.metrics.ttft.Observe(now.Sub(rn.start).Seconds())
+		}
+		rn.ids = append(rn.ids, ev.Token)
+		rn.logprobs = append(rn.logprobs, ev.Logprob)
+	}
+	rn.text.WriteString(ev.Text)
+	if ev.Finish != nil {
+		rn.finish = ev.Finish
+		if len(rn.ids) > 0 {
+			rn.s.metrics.e2e.Observe(now.Sub(rn.start).Seconds())
+		}
+	}
+	return ev, true
+}
+
+// collect reads every event.
+func (rn *run) collect() {
+	for {
+		if _, ok := rn.next(); !ok {
+			return
+		}
+	}
+}
+
+// drain reads what is left of the channel, so the Generator never blocks on
+// a request nobody reads.
+func (rn *run) drain() {
+	if rn.events == nil || rn.closed {
+		return
+	}
+	for range rn.events {
+	}
+	rn.closed = true
+}
+
+// failure is the error that aborted the run, if any.
+func (rn *run) failure() error {
+	if rn.finish != nil && rn.finish.Type == "abort" {
+		return rn.finish.Err
+	}
+	return nil
+}
+
+func (rn *run) promptTokens() int {
+	if rn.finish != nil && rn.finish.PromptTokens > 0 {
+		return rn.finish.PromptTokens
+	}
+	if rn.req != nil {
+		return len(rn.req.InputIDs)
+	}
+	return 0
+}
+
+func (rn *run) completionTokens() int {
+	if rn.finish != nil && rn.finish.OutputTokens > len(rn.ids) {
+		return rn.finish.OutputTokens
+	}
+	return len(rn.ids)
+}
+
+// end drains the channel and logs the request: one line per request.
+func (rn *run) end(err error) {
+	rn.drain()
+	rn.s.metrics.inflight.Dec()
+	if rn.logged {
+		return
+	}
+	rn.logged = true
+	rn.s.metrics.done(rn.endpoint, rn.status)
+	fields := []zap.Field{
+		zap.String("endpoint", rn.endpoint),
+		zap.Int("status", rn.status),
+		zap.Duration("latency", time.Since(rn.start)),
+	}
+	if rn.req != nil {
+		fields = append(fields, zap.String("rid", rn.req.ID), zap.Uint64("room", rn.req.Room),
+			zap.Int("prompt_tokens", rn.promptTokens()), zap.Int("completion_tokens", rn.completionTokens()))
+	}
+	if rn.finish != nil {
+		fields = append(fields, zap.String("finish", rn.finish.Type))
+	}
+	if err == nil {
+		err = rn.failure()
+	}
+	if err != nil {
+		fields = append(fields, zap.Error(err))
+	}
+	switch {
+	case rn.status >= 500:
+		rn.s.lg.Warn("request", fields...)
+	default:
+		rn.s.lg.Info("request", fields...)
+	}
+}
+
+// fail writes an error response (before anything else was written) and
+// records its status.
+func (rn *run) fail(w http.ResponseWriter, e *Error) {
+	rn.status = e.Status
+	if e.Status != statusClientClosed {
+		writeError(w, e)
+	}
+}
+
+// gate answers the checks every generation endpoint shares: readiness.
+func (s *Server) gate() *Error {
+	if !s.ready() {
+		return errorf(http.StatusServiceUnavailable, "server is not ready")
+	}
+	return nil
+}
+
+// elapsed is seconds since the run started.
+func (rn *run) elapsed() float64 { return time.Since(rn.start).Seconds() }

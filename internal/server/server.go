@@ -1,0 +1,268 @@
+// Package server is the HTTP front end of a mooncake-go serving process: the
+// SGLang /generate API, the OpenAI-compatible /v1 API, health, info and
+// metrics endpoints. It turns HTTP bodies into engine.Requests, runs them on a
+// Generator and writes the results back, whole or as server-sent events.
+//
+// The exact formats (streaming events, errors, finish_reason) follow
+// DESIGN.md, "HTTP contract".
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
+)
+
+// Generator runs requests. *engine.Engine satisfies it: cancelling ctx
+// aborts the request, and the channel is closed after the event that carries
+// the Finish.
+type Generator interface {
+	Submit(ctx context.Context, r *engine.Request) (<-chan engine.Event, error)
+}
+
+var _ Generator = (*engine.Engine)(nil)
+
+// Tokenizer is what the server needs from a tokenizer (a subset of
+// tokenizer.Tokenizer).
+type Tokenizer interface {
+	Encode(text string, addBOS bool) ([]int, error)
+	VocabSize() int
+	BOS() int // -1 if none
+	TokenText(id int) string
+}
+
+var _ Tokenizer = tokenizer.Tokenizer(nil)
+
+// ChatMessage is one message of a chat conversation, after the OpenAI
+// content parts have been joined into plain text.
+type ChatMessage struct {
+	Role    string // "system", "user", "assistant" or "tool"
+	Content string
+}
+
+// Bootstrap is the disaggregation triple the load balancer adds to a request.
+type Bootstrap struct {
+	Host string
+	Port int
+	Room uint64
+}
+
+// Disaggregation modes (Config.Mode).
+const (
+	ModeNull    = "null"
+	ModePrefill = "prefill"
+	ModeDecode  = "decode"
+)
+
+// DefaultMaxBodyBytes is the request body limit when Config.MaxBodyBytes is 0.
+const DefaultMaxBodyBytes = 8 << 20
+
+// DefaultShutdownTimeout is how long Serve waits for requests in flight when
+// its context ends and Config.ShutdownTimeout is 0.
+const DefaultShutdownTimeout = 10 * time.Second
+
+// Config configures a Server. Zero values mean the defaults noted on each
+// field; Generator and Tokenizer are required.
+type Config struct {
+	Generator Generator
+	Tokenizer Tokenizer
+
+	// ChatTemplate renders a conversation into a prompt for
+	// /v1/chat/completions. nil: tokenizer.ApplyChatTemplate when Tokenizer
+	// is a tokenizer.Tokenizer (the model's template, or the tokenizer's
+	// plain one), else PlainChatTemplate.
+	ChatTemplate func(msgs []ChatMessage) (string, error)
+
+	ModelName     string // served model name; "" means ModelPath, or "default" when that is empty too
+	ModelPath     string // reported by /get_model_info and accepted as a model name
+	RandomWeights bool   // the model has random weights (reported by /get_model_info)
+	ContextLen    int    // prompts of this many tokens or more get 400; 0: no check
+	Mode          string // "null" (""), "prefill" or "decode"
+
+	MaxBodyBytes    int64         // 0: DefaultMaxBodyBytes; larger bodies get 413
+	ShutdownTimeout time.Duration // 0: DefaultShutdownTimeout
+
+	Logger     *zap.Logger           // nil: no logs
+	Gatherer   prometheus.Gatherer   // served on /metrics; nil: /metrics serves an empty set
+	Registerer prometheus.Registerer // the server's own metrics; nil: not registered
+
+	// Info adds fields to /get_server_info (bootstrap_port, engine stats...).
+	Info func() map[string]any
+	// Ready reports whether the server may take requests; while it returns
+	// false, /health and the generation endpoints answer 503. nil: always ready.
+	Ready func() bool
+	// PrepareDisagg, when set, is called for every request that carries
+	// bootstrap_host, bootstrap_port or bootstrap_room, before Submit; it
+	// sets the request's Room and Prefill or Preloaded. Its error fails the
+	// request: an *Error keeps its status, engine sentinels map as Submit's
+	// errors do, anything else is a 500.
+	PrepareDisagg func(ctx context.Context, req *engine.Request, b Bootstrap) error
+}
+
+// Validate reports a configuration the server cannot run with.
+func (c *Config) Validate() error {
+	if c.Generator == nil {
+		return errors.New("server: Config.Generator is nil")
+	}
+	if c.Tokenizer == nil {
+		return errors.New("server: Config.Tokenizer is nil")
+	}
+	switch c.Mode {
+	case "", ModeNull, ModePrefill, ModeDecode:
+	default:
+		return fmt.Errorf("server: unknown disaggregation mode %q (want null, prefill or decode)", c.Mode)
+	}
+	if c.ContextLen < 0 {
+		return fmt.Errorf("server: negative ContextLen %d", c.ContextLen)
+	}
+	if c.MaxBodyBytes < 0 {
+		return fmt.Errorf("server: negative MaxBodyBytes %d", c.MaxBodyBytes)
+	}
+	return nil
+}
+
+// Server serves the HTTP API. It is safe for concurrent use.
+type Server struct {
+	cfg     Config
+	lg      *zap.Logger
+	mux     *http.ServeMux
+	metrics *metrics
+	created int64 // unix seconds, reported as the model's "created"
+}
+
+// New checks cfg, fills in its defaults and registers the server's metrics.
+func New(cfg Config) (*Server, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Mode == "" {
+		cfg.Mode = ModeNull
+	}
+	if cfg.ModelName == "" {
+		cfg.ModelName = cfg.ModelPath
+	}
+	if cfg.ModelName == "" {
+		cfg.ModelName = "default"
+	}
+	if cfg.MaxBodyBytes == 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.ShutdownTimeout == 0 {
+		cfg.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if cfg.ChatTemplate == nil {
+		cfg.ChatTemplate = defaultChatTemplate(cfg.Tokenizer)
+	}
+	lg := cfg.Logger
+	if lg == nil {
+		lg = zap.NewNop()
+	}
+	m, err := newMetrics(cfg.Registerer)
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{
+		cfg:     cfg,
+		lg:      lg.Named("server"),
+		metrics: m,
+		created: time.Now().Unix(),
+	}
+	s.routes()
+	return s, nil
+}
+
+// Handler returns the HTTP handler of every endpoint.
+func (s *Server) Handler() http.Handler { return s.mux }
+
+// Serve serves HTTP on ln until ctx ends, then shuts down gracefully: it stops
+// accepting, waits up to Config.ShutdownTimeout for requests in flight, then
+// closes the connections that remain (which aborts their requests). It
+// returns nil after a shutdown caused by ctx, or the error that stopped it.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	hs := &http.Server{
+		Handler:           s.mux,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          zap.NewStdLog(s.lg.Named("http")),
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- hs.Serve(ln) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("server: serve %s: %w", ln.Addr(), err)
+	case <-ctx.Done():
+	}
+	s.lg.Info("shutting down", zap.Stringer("addr", ln.Addr()))
+	sctx, cancel := context.WithTimeout(context.Background(), s.cfg.ShutdownTimeout)
+	defer cancel()
+	err := hs.Shutdown(sctx)
+	if err != nil {
+		s.lg.Warn("graceful shutdown timed out; closing connections", zap.Error(err))
+		err = hs.Close()
+	}
+	if serr := <-errc; serr != nil && !errors.Is(serr, http.ErrServerClosed) && err == nil {
+		err = serr
+	}
+	if err != nil {
+		return fmt.Errorf("server: shutdown: %w", err)
+	}
+	return nil
+}
+
+func (s *Server) routes() {
+	mux := http.NewServeMux()
+	handle := func(method, path string, h http.HandlerFunc) {
+		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != method && (method != http.MethodGet || r.Method != http.MethodHead) {
+				w.Header().Set("Allow", method)
+				writeError(w, errorf(http.StatusMethodNotAllowed, "method %s not allowed on %s (use %s)", r.Method, path, method))
+				return
+			}
+			h(w, r)
+		})
+	}
+	handle(http.MethodPost, "/generate", s.handleGenerate)
+	handle(http.MethodPost, "/v1/completions", s.handleCompletions)
+	handle(http.MethodPost, "/v1/chat/completions", s.handleChat)
+	handle(http.MethodGet, "/v1/models", s.handleModels)
+	handle(http.MethodGet, "/v1/models/{model...}", s.handleModel)
+	handle(http.MethodGet, "/health", s.handleHealth)
+	handle(http.MethodGet, "/health_generate", s.handleHealthGenerate)
+	handle(http.MethodGet, "/get_model_info", s.handleModelInfo)
+	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
+	handle(http.MethodGet, "/metrics", s.handleMetrics)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, errorf(http.StatusNotFound, "no such endpoint: %s %s", r.Method, r.URL.Path))
+	})
+	s.mux = mux
+}
+
+func defaultChatTemplate(t Tokenizer) func([]ChatMessage) (string, error) {
+	tt, ok := t.(tokenizer.Tokenizer)
+	if !ok {
+		return PlainChatTemplate
+	}
+	return func(msgs []ChatMessage) (string, error) {
+		m := make([]tokenizer.Message, len(msgs))
+		for i, c := range msgs {
+			m[i] = tokenizer.Message{Role: c.Role, Content: c.Content}
+		}
+		return tokenizer.ApplyChatTemplate(tt, m)
+	}
+}
+
+func (s *Server) ready() bool { return s.cfg.Ready == nil || s.cfg.Ready() }
+
+// knownModel reports whether a request's "model" names the served model.
+func (s *Server) knownModel(name string) bool {
+	return name == "" || name == s.cfg.ModelName || (s.cfg.ModelPath != "" && name == s.cfg.ModelPath)
+}
