@@ -81,6 +81,25 @@ func Llama2CToHFJSON(tokBinPath string, vocabSize int) (tokenizerJSON []byte, to
 		}
 		mergeStrs[i] = m.l + " " + m.r
 	}
+	return sentencepieceJSON(vocab, mergeStrs)
+}
+
+// ByteFallbackHFJSON returns a minimal sentencepiece-style tokenizer.json
+// (and tokenizer_config.json): <unk>, <s>, </s> and the 256 byte tokens
+// <0x00>..<0xFF> (ids 3..258) and ▁ (259), no merges, so every text encodes byte by
+// byte. `mooncake-go convert --random` writes it beside random weights.
+func ByteFallbackHFJSON() (tokenizerJSON []byte, tokenizerConfigJSON []byte, err error) {
+	vocab := map[string]int{"<unk>": 0, "<s>": 1, "</s>": 2}
+	for b := 0; b < 256; b++ {
+		vocab[fmt.Sprintf("<0x%02X>", b)] = 3 + b
+	}
+	vocab["▁"] = 259 // the word boundary, so spaces decode as spaces
+	return sentencepieceJSON(vocab, []string{})
+}
+
+// sentencepieceJSON writes a Llama-2-style tokenizer.json and config around
+// a BPE vocabulary and its merges (ids 0, 1, 2 are <unk>, <s>, </s>).
+func sentencepieceJSON(vocab map[string]int, mergeStrs []string) (tokenizerJSON []byte, tokenizerConfigJSON []byte, err error) {
 	type added struct {
 		ID         int    `json:"id"`
 		Content    string `json:"content"`

@@ -261,3 +261,27 @@ func TestConcurrentEncode(t *testing.T) {
 		}
 	}
 }
+
+func TestByteFallbackHFJSON(t *testing.T) {
+	tj, cj, err := ByteFallbackHFJSON()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tok, err := ParseHF(tj, cj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := "héllo 🌍"
+	ids, err := tok.Encode(text, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// BOS, ▁, the bytes of "héllo", ▁, the bytes of "🌍".
+	want := 1 + 1 + len("héllo") + 1 + len("🌍")
+	if len(ids) != want || ids[0] != 1 {
+		t.Fatalf("ids %v: want %d ids starting with BOS", ids, want)
+	}
+	if got := tok.Decode(ids); got != text {
+		t.Fatalf("round trip %q -> %q", text, got)
+	}
+}
