@@ -1,0 +1,391 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"slices"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
+)
+
+// pagePoll is how often a loop with nothing running retries a queue head
+// that is waiting for pages (pages can be freed outside the engine, e.g. by
+// the disaggregation layer).
+const pagePoll = 5 * time.Millisecond
+
+// loop runs steps until ctx ends or Close.
+//
+// One step: finish aborted requests; admit queued requests in FIFO order
+// while there is a running slot and the head's pages can be allocated; run
+// one forward pass over every decoding request (one token each) plus prompt
+// chunks of prefilling requests, oldest first, up to ChunkedPrefillSize
+// tokens; sample and emit.
+func (e *Engine) loop(ctx context.Context) error {
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-e.done:
+			return nil
+		default:
+		}
+		e.reap()
+		blocked := e.admit()
+		if len(e.running) == 0 {
+			var poll <-chan time.Time
+			if blocked {
+				if timer == nil {
+					timer = time.NewTimer(pagePoll)
+				} else {
+					timer.Reset(pagePoll)
+				}
+				poll = timer.C
+			}
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-e.done:
+				return nil
+			case <-e.wake:
+			case <-poll:
+			}
+			continue
+		}
+		if err := e.step(ctx); err != nil && ctx.Err() != nil {
+			return ctx.Err()
+		}
+	}
+}
+
+// reap finishes running requests whose context ended.
+func (e *Engine) reap() {
+	for _, s := range e.running {
+		if err := s.aborted(); err != nil {
+			e.finishAbort(s, err)
+		}
+	}
+	e.compact()
+}
+
+// compact drops finished requests from the running list.
+func (e *Engine) compact() {
+	e.running = slices.DeleteFunc(e.running, func(s *seq) bool { return s.state == stateDone })
+	e.nRunning.Store(int64(len(e.running)))
+}
+
+// admit moves queued requests into the running batch, FIFO, while there is
+// a slot and the head's pages can be allocated. It reports whether the head
+// is waiting for pages.
+func (e *Engine) admit() (blocked bool) {
+	var admitted []*seq
+	e.mu.Lock()
+	for len(e.queue) > 0 && len(e.running) < e.cfg.MaxRunningRequests {
+		s := e.queue[0]
+		if s.needPages > 0 {
+			p, err := e.pages.Alloc(s.needPages)
+			if err != nil {
+				blocked = true
+				break
+			}
+			s.pages = append(s.pages, p...)
+		}
+		e.queue[0] = nil
+		e.queue = e.queue[1:]
+		e.running = append(e.running, s)
+		admitted = append(admitted, s)
+	}
+	if len(e.queue) == 0 {
+		e.queue = nil // let the backing array go
+	}
+	e.mu.Unlock()
+	for _, s := range admitted {
+		e.start(s)
+	}
+	if len(admitted) > 0 {
+		e.compact()
+	}
+	return blocked
+}
+
+// start begins an admitted request.
+func (e *Engine) start(s *seq) {
+	now := time.Now()
+	e.m.queueSeconds.Observe(now.Sub(s.submitted).Seconds())
+	mode := "colocated"
+	switch {
+	case s.hook != nil:
+		mode = "prefill"
+	case s.req.Preloaded != nil:
+		mode = "decode"
+	}
+	e.lg.Info("request admitted", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),
+		zap.String("mode", mode), zap.Int("prompt_tokens", len(s.prompt)), zap.Int("max_new_tokens", s.maxNew),
+		zap.Int("pages", len(s.pages)), zap.Duration("queued", now.Sub(s.submitted)))
+	switch {
+	case s.hook != nil:
+		s.state = statePrefill
+		s.hook.Pages(slices.Clone(s.pages))
+	case s.req.Preloaded != nil:
+		// The prefill server sampled the first token with the same seed:
+		// skip its draw so seeded sampling continues the same stream.
+		pl := s.req.Preloaded
+		s.sampler.Skip()
+		s.state = stateDecode
+		s.pos = len(s.prompt)
+		s.next[0] = int32(pl.FirstToken)
+		lp := float32(0)
+		if s.req.Logprobs {
+			lp = pl.FirstLogprob
+		}
+		e.emit(s, pl.FirstToken, lp)
+	default:
+		s.state = statePrefill
+	}
+}
+
+// step runs one forward pass and handles its results.
+func (e *Engine) step(ctx context.Context) error {
+	e.batch, e.bseqs, e.bchunk = e.batch[:0], e.bseqs[:0], e.bchunk[:0]
+	nLogits := 0
+	for _, s := range e.running {
+		if s.state == stateDecode {
+			e.batch = append(e.batch, compute.Seq{
+				Tokens: s.next[:], Pos: s.pos, Pages: s.pages[:e.pagesFor(s.pos+1)], Logits: true,
+			})
+			e.bseqs = append(e.bseqs, s)
+			e.bchunk = append(e.bchunk, 0)
+			nLogits++
+		}
+	}
+	budget := e.cfg.ChunkedPrefillSize
+	if budget < 0 {
+		budget = math.MaxInt
+	}
+	for _, s := range e.running {
+		if budget == 0 {
+			break
+		}
+		if s.state != statePrefill {
+			continue
+		}
+		n := min(len(s.prompt)-s.prefilled, budget)
+		end := s.prefilled + n
+		last := end == len(s.prompt)
+		e.batch = append(e.batch, compute.Seq{
+			Tokens: s.prompt[s.prefilled:end], Pos: s.prefilled, Pages: s.pages[:e.pagesFor(end)], Logits: last,
+		})
+		e.bseqs = append(e.bseqs, s)
+		e.bchunk = append(e.bchunk, n)
+		budget -= n
+		if last {
+			nLogits++
+		}
+	}
+	if len(e.batch) == 0 {
+		return nil
+	}
+	if need := nLogits * e.vocab; cap(e.slab) < need {
+		e.slab = make([]float32, need)
+	}
+	e.outs = slices.Grow(e.outs[:0], len(e.batch))[:len(e.batch)]
+	k := 0
+	for i, b := range e.batch {
+		e.outs[i] = nil
+		if b.Logits {
+			e.outs[i] = e.slab[k*e.vocab : (k+1)*e.vocab : (k+1)*e.vocab]
+			k++
+		}
+	}
+
+	if err := e.forward(ctx); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err() // shutting down: Run aborts everyone with ErrClosed
+		}
+		err = fmt.Errorf("engine: forward pass of %d sequences: %w", len(e.batch), err)
+		e.lg.Error("forward pass failed", zap.Error(err))
+		for _, s := range e.bseqs {
+			e.finishAbort(s, err)
+		}
+		e.compact()
+		return err
+	}
+
+	var prefillTokens, decodeTokens int
+	for i, s := range e.bseqs {
+		logits := e.outs[i]
+		if n := e.bchunk[i]; n > 0 {
+			s.prefilled += n
+			prefillTokens += n
+			if s.hook != nil {
+				s.hook.Chunk(s.prefilled)
+			}
+			if s.prefilled < len(s.prompt) {
+				continue
+			}
+			tok := s.sampler.Sample(logits)
+			s.state = stateDecode
+			s.pos = len(s.prompt)
+			s.next[0] = int32(tok)
+			e.emit(s, tok, e.logprob(s, logits, tok))
+			continue
+		}
+		decodeTokens++
+		s.pos++
+		tok := s.sampler.Sample(logits)
+		s.next[0] = int32(tok)
+		e.emit(s, tok, e.logprob(s, logits, tok))
+	}
+	e.m.prefillTokens.Add(float64(prefillTokens))
+	e.m.decodeTokens.Add(float64(decodeTokens))
+	e.compact()
+	return nil
+}
+
+// forward runs the model on the batch, turning a backend panic into an
+// error for the batch's requests rather than a crash of the server.
+func (e *Engine) forward(ctx context.Context) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			e.lg.Error("forward pass panicked", zap.Any("panic", r), zap.Stack("stack"))
+			err = fmt.Errorf("panic: %v", r)
+		}
+	}()
+	return e.model.Forward(ctx, e.batch, e.outs)
+}
+
+// logprob is the chosen token's log-probability under the model's raw
+// distribution: log-softmax of the logits at temperature 1, before penalties,
+// temperature and filters. Computed only when the request asked for it (a
+// prefill-only request always carries it to the decode side).
+func (e *Engine) logprob(s *seq, logits []float32, tok int) float32 {
+	if !s.req.Logprobs && s.hook == nil {
+		return 0
+	}
+	return sampling.Logprob(logits, tok)
+}
+
+// emit hands one output token to s: text, stop conditions, timing. It
+// finishes s if the token ends it.
+func (e *Engine) emit(s *seq, tok int, lp float32) {
+	now := time.Now()
+	if s.output == 0 {
+		e.m.ttft.Observe(now.Sub(s.submitted).Seconds())
+	} else {
+		e.m.itl.Observe(now.Sub(s.lastToken).Seconds())
+	}
+	s.lastToken = now
+	s.output++
+	s.sampler.Accept(tok)
+
+	ev := Event{Token: tok, Logprob: lp}
+	var f *Finish
+	if (e.eos[tok] && !s.req.Params.IgnoreEOS) || s.stopIDs[tok] {
+		// The stop token's own text is not output.
+		text, m, stop := s.text.flush()
+		ev.Text = text
+		f = &Finish{Type: "stop", Matched: tok}
+		if stop {
+			f.Matched = m
+		}
+	} else {
+		text, m, stop := s.text.push(tok)
+		ev.Text = text
+		switch {
+		case stop:
+			f = &Finish{Type: "stop", Matched: m}
+		case s.output >= s.maxNew:
+			rest, m, stop := s.text.flush()
+			ev.Text += rest
+			switch {
+			case stop:
+				f = &Finish{Type: "stop", Matched: m}
+			case s.hook != nil:
+				// A prefill-only request ends after its first token by
+				// design, not at a length limit.
+				f = &Finish{Type: "stop"}
+			default:
+				f = &Finish{Type: "length"}
+			}
+		}
+	}
+	if f != nil {
+		e.finish(s, f, ev)
+		return
+	}
+	s.out.post(ev)
+}
+
+func (e *Engine) finishAbort(s *seq, err error) {
+	e.finish(s, &Finish{Type: "abort", Err: err}, Event{Token: -1})
+}
+
+// finish ends s exactly once: unregisters its context, hands its pages back
+// (or to the prefill hook), counts and logs it, and posts ev with f.
+func (e *Engine) finish(s *seq, f *Finish, ev Event) {
+	if s.state == stateDone {
+		return
+	}
+	s.state = stateDone
+	if s.stopCtx != nil {
+		s.stopCtx()
+	}
+	if s.hook != nil && !s.hookDone {
+		s.hookDone = true
+		release := e.releaser(s.pages)
+		s.pages = nil
+		if f.Type == "abort" {
+			s.hook.Done(-1, 0, f.Err, release)
+		} else {
+			s.hook.Done(ev.Token, ev.Logprob, nil, release)
+		}
+	} else if len(s.pages) > 0 {
+		if err := e.pages.Release(s.pages); err != nil {
+			e.lg.Error("releasing pages", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room), zap.Error(err))
+		}
+		s.pages = nil
+		e.signal()
+	}
+	f.PromptTokens = len(s.prompt)
+	f.OutputTokens = s.output
+	e.m.requests.WithLabelValues(f.Type).Inc()
+	if f.Type == "abort" {
+		e.lg.Info("request aborted", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),
+			zap.Int("output_tokens", s.output), zap.Error(f.Err))
+	} else {
+		e.lg.Info("request finished", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),
+			zap.String("finish", f.Type), zap.Any("matched", f.Matched),
+			zap.Int("prompt_tokens", len(s.prompt)), zap.Int("output_tokens", s.output),
+			zap.Duration("e2e", time.Since(s.submitted)))
+	}
+	ev.Finish = f
+	s.out.post(ev)
+}
+
+// releaser returns a function that releases pages once and wakes the loop
+// (a queued request may be waiting for them).
+func (e *Engine) releaser(pages []int32) func() {
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			if len(pages) == 0 {
+				return
+			}
+			if err := e.pages.Release(pages); err != nil {
+				e.lg.Error("releasing prefill pages", zap.Error(err))
+			}
+			e.signal()
+		})
+	}
+}

@@ -1,0 +1,308 @@
+package sampling
+
+import (
+	"errors"
+	"math"
+	"math/rand/v2"
+	"sort"
+	"testing"
+)
+
+func randomLogits(seed uint64, n int) []float32 {
+	r := rand.New(rand.NewPCG(seed, 1))
+	l := make([]float32, n)
+	for i := range l {
+		l[i] = float32(r.NormFloat64() * 3)
+	}
+	return l
+}
+
+func softmax(l []float32, temp float64) []float64 {
+	mx := math.Inf(-1)
+	for _, x := range l {
+		mx = math.Max(mx, float64(x))
+	}
+	p := make([]float64, len(l))
+	var s float64
+	for i, x := range l {
+		p[i] = math.Exp((float64(x) - mx) / temp)
+		s += p[i]
+	}
+	for i := range p {
+		p[i] /= s
+	}
+	return p
+}
+
+func TestValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		p    Params
+		ok   bool
+	}{
+		{"zero", Params{}, true},
+		{"typical", Params{Temperature: 0.7, TopP: 0.9, TopK: 40, MinP: 0.05, FrequencyPenalty: 1, PresencePenalty: -1}, true},
+		{"top_k -1", Params{TopK: -1}, true},
+		{"negative temperature", Params{Temperature: -0.1}, false},
+		{"nan temperature", Params{Temperature: math.NaN()}, false},
+		{"top_p above 1", Params{TopP: 1.5}, false},
+		{"top_k -2", Params{TopK: -2}, false},
+		{"min_p negative", Params{MinP: -0.1}, false},
+		{"frequency penalty 3", Params{FrequencyPenalty: 3}, false},
+		{"presence penalty -3", Params{PresencePenalty: -3}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.p.Validate()
+			if (err == nil) != tc.ok {
+				t.Fatalf("Validate(%+v) = %v, want ok=%v", tc.p, err, tc.ok)
+			}
+			if err != nil && !errors.Is(err, ErrBadParams) {
+				t.Fatalf("error %v does not wrap ErrBadParams", err)
+			}
+		})
+	}
+}
+
+func TestArgmaxTiesLowestID(t *testing.T) {
+	for _, tc := range []struct {
+		l    []float32
+		want int
+	}{
+		{[]float32{1, 3, 3, 2}, 1},
+		{[]float32{5, 5}, 0},
+		{[]float32{float32(math.NaN()), 1, 1}, 1},
+		{[]float32{float32(math.Inf(-1)), float32(math.Inf(-1))}, 0},
+	} {
+		if got := Argmax(tc.l); got != tc.want {
+			t.Errorf("Argmax(%v) = %d, want %d", tc.l, got, tc.want)
+		}
+	}
+}
+
+func TestTopK1EqualsGreedy(t *testing.T) {
+	for seed := range uint64(20) {
+		l := randomLogits(seed, 500)
+		greedy := New(Params{}, seed).Sample(l)
+		k1 := New(Params{Temperature: 1.5, TopK: 1}, seed).Sample(l)
+		if greedy != k1 || greedy != Argmax(l) {
+			t.Fatalf("seed %d: greedy %d, top_k=1 %d, argmax %d", seed, greedy, k1, Argmax(l))
+		}
+	}
+}
+
+func TestSeedReproducible(t *testing.T) {
+	l := randomLogits(7, 1000)
+	p := Params{Temperature: 1, TopP: 0.95, TopK: 100, MinP: 0.01}
+	draw := func(seed uint64) []int {
+		s := New(p, seed)
+		var out []int
+		for range 50 {
+			out = append(out, s.Sample(l))
+		}
+		return out
+	}
+	a, b, c := draw(42), draw(42), draw(43)
+	for i := range a {
+		if a[i] != b[i] {
+			t.Fatalf("same seed diverged at draw %d: %v vs %v", i, a, b)
+		}
+	}
+	same := true
+	for i := range a {
+		same = same && a[i] == c[i]
+	}
+	if same {
+		t.Fatalf("seeds 42 and 43 gave the same 50 draws")
+	}
+}
+
+func TestSkipAlignsStream(t *testing.T) {
+	l := randomLogits(3, 300)
+	p := Params{Temperature: 1}
+	a := New(p, 9)
+	a.Sample(l)
+	b := New(p, 9)
+	b.Skip()
+	for i := range 20 {
+		if x, y := a.Sample(l), b.Sample(l); x != y {
+			t.Fatalf("draw %d after skip: %d vs %d", i, x, y)
+		}
+	}
+}
+
+func TestSampleDoesNotModifyLogits(t *testing.T) {
+	l := randomLogits(1, 100)
+	orig := append([]float32(nil), l...)
+	s := New(Params{Temperature: 1, TopP: 0.5, FrequencyPenalty: 1}, 1)
+	s.Accept(3)
+	s.Sample(l)
+	for i := range l {
+		if l[i] != orig[i] {
+			t.Fatalf("logit %d changed", i)
+		}
+	}
+}
+
+func TestPenalties(t *testing.T) {
+	l := []float32{0, 2, 1.5, 0}
+	for _, tc := range []struct {
+		name     string
+		p        Params
+		accepted []int
+		want     int
+	}{
+		{"none", Params{}, []int{1, 1}, 1},
+		{"frequency once", Params{FrequencyPenalty: 0.4}, []int{1}, 1},         // 1.6 > 1.5
+		{"frequency twice", Params{FrequencyPenalty: 0.4}, []int{1, 1}, 2},     // 1.2 < 1.5
+		{"presence", Params{PresencePenalty: 0.6}, []int{1, 1, 1}, 2},          // 1.4 < 1.5
+		{"negative presence boosts", Params{PresencePenalty: -2}, []int{0}, 0}, // 2 ties with 1: lower id
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := New(tc.p, 0)
+			for _, a := range tc.accepted {
+				s.Accept(a)
+			}
+			if got := s.Sample(l); got != tc.want {
+				t.Fatalf("got %d, want %d", got, tc.want)
+			}
+		})
+	}
+}
+
+// histogram draws n samples and returns the counts per id.
+func histogram(p Params, seed uint64, l []float32, n int, accepted ...int) []int {
+	s := New(p, seed)
+	for _, a := range accepted {
+		s.Accept(a)
+	}
+	h := make([]int, len(l))
+	for range n {
+		h[s.Sample(l)]++
+	}
+	return h
+}
+
+func TestPenaltyShiftsDistribution(t *testing.T) {
+	l := []float32{1, 1, 1, 1}
+	h := histogram(Params{Temperature: 1, FrequencyPenalty: 2}, 5, l, 4000, 0, 0)
+	// token 0 has logit 1-4 = -3: p = e^-4/(3+e^-4) ~ 0.006
+	if h[0] > 80 {
+		t.Fatalf("penalised token drawn %d/4000 times: %v", h[0], h)
+	}
+}
+
+func TestTemperatureMatchesSoftmax(t *testing.T) {
+	l := []float32{0, 1, 2, 0.5}
+	const n = 20000
+	for _, temp := range []float64{0.5, 1, 2} {
+		h := histogram(Params{Temperature: temp}, 11, l, n)
+		want := softmax(l, temp)
+		for i := range l {
+			got := float64(h[i]) / n
+			if math.Abs(got-want[i]) > 0.02 {
+				t.Fatalf("temperature %v: token %d frequency %.3f, want %.3f", temp, i, got, want[i])
+			}
+		}
+	}
+}
+
+func TestFilters(t *testing.T) {
+	// probabilities at temperature 1 ~ [0.64, 0.24, 0.09, 0.03, ...]
+	l := []float32{4, 3, 2, 1, 0, -1}
+	probs := softmax(l, 1)
+	for _, tc := range []struct {
+		name    string
+		p       Params
+		allowed []int
+	}{
+		{"top_k 2", Params{Temperature: 1, TopK: 2}, []int{0, 1}},
+		{"top_p 0.5 keeps the first", Params{Temperature: 1, TopP: 0.5}, []int{0}},
+		{"top_p 0.7", Params{Temperature: 1, TopP: 0.7}, []int{0, 1}},
+		{"top_p 0.9", Params{Temperature: 1, TopP: 0.9}, []int{0, 1, 2}},
+		{"min_p 0.3", Params{Temperature: 1, MinP: 0.3}, []int{0, 1}},
+		{"min_p 0.1", Params{Temperature: 1, MinP: 0.1}, []int{0, 1, 2}},
+		{"top_k 3 top_p 0.7", Params{Temperature: 1, TopK: 3, TopP: 0.7}, []int{0, 1}},
+		{"top_k 2 min_p 0.5", Params{Temperature: 1, TopK: 2, MinP: 0.5}, []int{0}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := histogram(tc.p, 3, l, 3000)
+			ok := map[int]bool{}
+			for _, a := range tc.allowed {
+				ok[a] = true
+				if h[a] == 0 {
+					t.Errorf("allowed token %d (p=%.3f) never drawn: %v", a, probs[a], h)
+				}
+			}
+			for i, c := range h {
+				if c > 0 && !ok[i] {
+					t.Errorf("token %d drawn %d times, outside %v", i, c, tc.allowed)
+				}
+			}
+		})
+	}
+}
+
+func TestTopPLargeVocabPrefilter(t *testing.T) {
+	// The exact prefilter must keep the same nucleus as a full sort.
+	l := randomLogits(99, 5000)
+	probs := softmax(l, 1)
+	s := New(Params{Temperature: 1, TopP: 0.8}, 1)
+	seen := map[int]bool{}
+	for range 3000 {
+		seen[s.Sample(l)] = true
+	}
+	// every drawn token must have cumulative-before <= 0.8 in sorted order
+	var order []int
+	for i := range probs {
+		order = append(order, i)
+	}
+	sort.SliceStable(order, func(a, b int) bool { return probs[order[a]] > probs[order[b]] })
+	var before float64
+	nucleus := map[int]bool{}
+	for _, id := range order {
+		if before > 0.8 {
+			break
+		}
+		nucleus[id] = true
+		before += probs[id]
+	}
+	for id := range seen {
+		if !nucleus[id] {
+			t.Fatalf("token %d drawn outside the nucleus", id)
+		}
+	}
+}
+
+func TestLogprob(t *testing.T) {
+	l := []float32{1, 2, 3}
+	p := softmax(l, 1)
+	for i := range l {
+		if got := Logprob(l, i); math.Abs(float64(got)-math.Log(p[i])) > 1e-6 {
+			t.Fatalf("Logprob(%d) = %v, want %v", i, got, math.Log(p[i]))
+		}
+	}
+	if !math.IsInf(float64(Logprob(l, 5)), -1) {
+		t.Fatalf("out of range id should be -Inf")
+	}
+}
+
+func BenchmarkSample(b *testing.B) {
+	l := randomLogits(1, 32000)
+	for _, tc := range []struct {
+		name string
+		p    Params
+	}{
+		{"greedy", Params{}},
+		{"temperature", Params{Temperature: 0.8}},
+		{"top_k=40", Params{Temperature: 0.8, TopK: 40}},
+		{"top_p=0.9", Params{Temperature: 0.8, TopP: 0.9}},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			s := New(tc.p, 1)
+			b.ReportAllocs()
+			for b.Loop() {
+				s.Sample(l)
+			}
+		})
+	}
+}
