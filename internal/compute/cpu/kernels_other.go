@@ -1,0 +1,13 @@
+//go:build !amd64
+
+package cpu
+
+var hasAVX2 = false
+
+func dot1AVX2(a, b *float32, n int) float32                                { panic("unreachable") }
+func dotRows4AVX2(w *float32, stride int, x *float32, n int, out *float32) { panic("unreachable") }
+func attnScoresAVX2(q, k *float32, stride, n, hd int, out *float32)        { panic("unreachable") }
+func attnAccumAVX2(p, v *float32, stride, n, hd int, out *float32)         { panic("unreachable") }
+
+func softmaxAVX2(x *float32, n8 int, div float32) { panic("unreachable") }
+func siluMulAVX2(gate, u *float32, n8 int)        { panic("unreachable") }

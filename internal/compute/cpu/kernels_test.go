@@ -1,0 +1,137 @@
+package cpu
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+func randVec(r *rand.Rand, n int) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32(r.NormFloat64())
+	}
+	return v
+}
+
+func dot64(a, b []float32) float64 {
+	s := 0.0
+	for i := range a {
+		s += float64(a[i]) * float64(b[i])
+	}
+	return s
+}
+
+func TestDotKernels(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	for n := 1; n < 300; n += 1 + n/16 {
+		stride := n + r.IntN(5)
+		w := randVec(r, 3*stride+n)
+		x := randVec(r, n)
+		var got [4]float32
+		dotRows4(w, stride, x, n, got[:])
+		for row := 0; row < 4; row++ {
+			wr := w[row*stride : row*stride+n]
+			one := dot(wr, x)
+			if math.Float32bits(one) != math.Float32bits(got[row]) {
+				t.Fatalf("n=%d row %d: dotRows4 %v != dot %v", n, row, got[row], one)
+			}
+			want := dot64(wr, x)
+			tol := 1e-5 * math.Sqrt(float64(n)) * 4
+			if math.Abs(float64(one)-want) > tol {
+				t.Fatalf("n=%d: dot %v, want %v", n, one, want)
+			}
+			if g := dotGo(wr, x); math.Abs(float64(g)-want) > tol {
+				t.Fatalf("n=%d: dotGo %v, want %v", n, g, want)
+			}
+		}
+	}
+}
+
+func TestAttnKernels(t *testing.T) {
+	r := rand.New(rand.NewPCG(5, 6))
+	for _, hd := range []int{8, 12, 16, 64, 128} {
+		for _, n := range []int{1, 3, 17} {
+			stride := hd*2 + 8
+			q := randVec(r, hd)
+			k := randVec(r, (n-1)*stride+hd)
+			sc := make([]float32, n)
+			attnScores(q, k, stride, n, hd, sc)
+			for j := range sc {
+				want := dot64(q, k[j*stride:j*stride+hd])
+				if math.Abs(float64(sc[j])-want) > 1e-4 {
+					t.Fatalf("hd=%d n=%d: score %d = %v, want %v", hd, n, j, sc[j], want)
+				}
+			}
+			out := randVec(r, hd)
+			want := make([]float64, hd)
+			for i := range want {
+				want[i] = float64(out[i])
+				for j := 0; j < n; j++ {
+					want[i] += float64(sc[j]) * float64(k[j*stride+i])
+				}
+			}
+			attnAccum(sc, k, stride, n, hd, out)
+			for i := range out {
+				if math.Abs(float64(out[i])-want[i]) > 1e-3 {
+					t.Fatalf("hd=%d n=%d: accum[%d] = %v, want %v", hd, n, i, out[i], want[i])
+				}
+			}
+		}
+	}
+}
+
+func TestExpf(t *testing.T) {
+	for x := -87.0; x < 88; x += 0.01 {
+		got := float64(expf(float32(x)))
+		want := math.Exp(float64(float32(x)))
+		if math.Abs(got-want) > 3e-7*want {
+			t.Fatalf("expf(%v) = %v, want %v", x, got, want)
+		}
+	}
+	if expf(-100) != 0 || !math.IsInf(float64(expf(100)), 1) {
+		t.Fatal("expf out of range")
+	}
+}
+
+func TestSoftmaxSilu(t *testing.T) {
+	r := rand.New(rand.NewPCG(7, 8))
+	for _, n := range []int{1, 5, 8, 9, 33, 200} {
+		x := randVec(r, n+8)
+		for i := range x {
+			x[i] *= 10
+		}
+		want := make([]float64, n)
+		mx := math.Inf(-1)
+		for i := 0; i < n; i++ {
+			mx = math.Max(mx, float64(x[i])/3)
+		}
+		sum := 0.0
+		for i := range want {
+			want[i] = math.Exp(float64(x[i])/3 - mx)
+			sum += want[i]
+		}
+		softmax(x, n, 3)
+		for i := range want {
+			if d := math.Abs(float64(x[i]) - want[i]/sum); d > 1e-6 {
+				t.Fatalf("n=%d: softmax[%d] = %v, want %v", n, i, x[i], want[i]/sum)
+			}
+		}
+		g := randVec(r, n)
+		u := randVec(r, n)
+		g[0] = -100
+		if n > 1 {
+			g[1] = 100
+		}
+		w := make([]float64, n)
+		for i := range w {
+			w[i] = float64(g[i]) / (1 + math.Exp(-float64(g[i]))) * float64(u[i])
+		}
+		siluMul(g, u)
+		for i := range w {
+			if d := math.Abs(float64(g[i]) - w[i]); d > 1e-5*math.Max(1, math.Abs(w[i])) {
+				t.Fatalf("n=%d: silu[%d] = %v, want %v", n, i, g[i], w[i])
+			}
+		}
+	}
+}
