@@ -41,6 +41,7 @@ type serveFlags struct {
 	threads                              int
 	disaggTimeout                        time.Duration
 	seed                                 int64
+	debugFault                           string
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -84,6 +85,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
+	fl.StringVar(&f.debugFault, "debug-fault", "", "fault injection for tests: transfer (a prefill's KV transfers fail)")
+	_ = fl.MarkHidden("debug-fault")
 	return cmd
 }
 
@@ -122,6 +125,15 @@ func (f *serveFlags) validate() error {
 	}
 	if _, err := f.transports("--disaggregation-transfer-backend"); err != nil {
 		return err
+	}
+	switch f.debugFault {
+	case "":
+	case "transfer":
+		if f.mode != "prefill" {
+			return fmt.Errorf("--debug-fault transfer needs --disaggregation-mode prefill")
+		}
+	default:
+		return fmt.Errorf("--debug-fault %q: want transfer", f.debugFault)
 	}
 	return nil
 }
@@ -302,9 +314,13 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	switch f.mode {
 	case "prefill":
 		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
-			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, Logger: lg, Registerer: reg})
+			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, Logger: lg, Registerer: reg,
+			FailTransfers: f.debugFault == "transfer"})
 		if err != nil {
 			return err
+		}
+		if f.debugFault != "" {
+			lg.Warn("fault injection on: every KV transfer will fail", zap.String("fault", f.debugFault))
 		}
 		st.add(pf.Close)
 		extra["bootstrap_port"] = pf.Port()
@@ -327,7 +343,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		}
 	}
 	srv, err := server.New(server.Config{
-		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
+		Generator: preloadGuard{eng, pool.Alloc}, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
 		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()

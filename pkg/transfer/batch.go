@@ -199,7 +199,7 @@ func (b *Batch) finish(i int, err error) {
 	m.tasks.WithLabelValues(st.Transport, st.State.String()).Inc()
 	if err == nil {
 		m.bytes.WithLabelValues(st.Transport, r.Op.String()).Add(float64(r.Len))
-	} else if r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout)) {
+	} else if r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout) || errors.Is(err, ErrPeerRestarted)) {
 		if s := b.e.segAt(r.Segment); s != nil {
 			s.markStale() // refetch (and check the incarnation) before the next use
 		}

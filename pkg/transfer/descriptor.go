@@ -99,6 +99,11 @@ func LocalHostID() HostID {
 	if id.MachineID == "" {
 		id.MachineID = read("/var/lib/dbus/machine-id")
 	}
+	if id.MachineID == "" && id.BootID != "" {
+		// Containers often ship an empty machine-id; the boot id (random
+		// per kernel boot) still tells machines apart.
+		id.MachineID = "boot:" + id.BootID
+	}
 	if ns, err := os.Readlink("/proc/self/ns/net"); err == nil {
 		id.NetNS = ns
 	}

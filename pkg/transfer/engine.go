@@ -32,7 +32,7 @@ type Config struct {
 	// ClusterToken, if set, must be proven by every peer (HMAC challenge).
 	ClusterToken string
 	// Timeout bounds one batch (default 5s).
-	Timeout time.Duration
+	Timeout    time.Duration
 	Logger     *zap.Logger           // nil: no logs
 	Registerer prometheus.Registerer // nil: no metrics
 	// OnNotify receives notifications from peers. It runs on a connection's
@@ -184,7 +184,7 @@ func (e *Engine) Descriptor() *Descriptor { return e.Self() }
 
 // Host interface.
 
-func (e *Engine) Logger() *zap.Logger     { return e.lg }
+func (e *Engine) Logger() *zap.Logger    { return e.lg }
 func (e *Engine) Timeout() time.Duration { return e.cfg.Timeout }
 
 func (e *Engine) Self() *Descriptor {

@@ -164,6 +164,10 @@ func (e *Engine) clientHandshake(conn net.Conn, kind, want string) (*Descriptor,
 		return nil, fmt.Errorf("%w: handshake: %v", ErrPeerDead, err)
 	}
 	if v.Err != "" {
+		if want != "" && desc.Incarnation != want {
+			// The server refuses a stale incarnation; say so as a restart.
+			return nil, fmt.Errorf("%w: %s is now incarnation %s, expected %s", ErrPeerRestarted, desc.Name, desc.Incarnation, want)
+		}
 		if v.Err == errTokenMsg {
 			return nil, fmt.Errorf("%w by %s", ErrAuth, desc.Name)
 		}

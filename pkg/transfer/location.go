@@ -57,8 +57,8 @@ func (l *Location) UnmarshalText(b []byte) error {
 type Access uint8
 
 const (
-	AccessRead  Access = 1 << iota // peers may READ from the region
-	AccessWrite                    // peers may WRITE into the region
+	AccessRead      Access = 1 << iota // peers may READ from the region
+	AccessWrite                        // peers may WRITE into the region
 	AccessReadWrite = AccessRead | AccessWrite
 )
 

@@ -23,10 +23,11 @@ const (
 )
 
 type regOpts struct {
-	host   *HostMemory
-	off    int64
-	scope  Scope
-	opaque any
+	host     *HostMemory
+	off      int64
+	scope    Scope
+	scopeSet bool
+	opaque   any
 }
 
 // RegisterOption varies one RegisterMemory call.
@@ -38,8 +39,10 @@ func WithHostMemory(m *HostMemory, off int64) RegisterOption {
 	return func(o *regOpts) { o.host, o.off = m, off }
 }
 
-// WithScope sets the peers a region is registered for.
-func WithScope(s Scope) RegisterOption { return func(o *regOpts) { o.scope = s } }
+// WithScope sets the peers a region is registered for. The default is
+// every peer the installed transports can reach: ScopeAny when one of them
+// crosses machines, else ScopeSameMachine.
+func WithScope(s Scope) RegisterOption { return func(o *regOpts) { o.scope, o.scopeSet = s, true } }
 
 // WithOpaque attaches backend data (for example a CUDA pool's export) for
 // transports to find.
@@ -53,6 +56,14 @@ func (e *Engine) RegisterMemory(ctx context.Context, addr uintptr, length uint64
 	var o regOpts
 	for _, f := range opts {
 		f(&o)
+	}
+	if !o.scopeSet {
+		o.scope = ScopeSameMachine
+		for _, t := range e.cfg.Transports {
+			if t.Reach() == ReachNetwork {
+				o.scope = ScopeAny
+			}
+		}
 	}
 	a := uint64(addr)
 	if length == 0 || a+length < a {
@@ -167,13 +178,16 @@ func (e *Engine) rebuildSelfLocked() {
 
 // AllocHost allocates size bytes of shareable (memfd-backed) host memory
 // and registers it with the given access: what a KV-cache pool uses. Pages
-// are not touched, so large pools register fast.
-func (e *Engine) AllocHost(ctx context.Context, size int64, numa int, access Access) (*HostMemory, error) {
+// are not touched, so large pools register fast. opts apply to the
+// registration (for example WithScope(ScopeSameMachine) when shm is the only
+// transport).
+func (e *Engine) AllocHost(ctx context.Context, size int64, numa int, access Access, opts ...RegisterOption) (*HostMemory, error) {
 	m, err := AllocHost(size, e.cfg.Name)
 	if err != nil {
 		return nil, err
 	}
-	if err := e.RegisterMemory(ctx, uintptr(m.Addr()), uint64(size), Location{Kind: CPU, Index: numa}, access, WithHostMemory(m, 0)); err != nil {
+	opts = append([]RegisterOption{WithHostMemory(m, 0)}, opts...)
+	if err := e.RegisterMemory(ctx, uintptr(m.Addr()), uint64(size), Location{Kind: CPU, Index: numa}, access, opts...); err != nil {
 		m.Close()
 		return nil, err
 	}

@@ -1,0 +1,85 @@
+package tcp_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"testing"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
+)
+
+// BenchmarkTransfer writes batches of 128 blocks between two engines in
+// this process over loopback (transport=tcp), and streams the same bytes
+// in 1 MiB writes over as many plain connections as tcp has lanes
+// (transport=raw): the baseline in the same run. Two-process numbers come
+// from `mooncake-go bench transfer --baseline`.
+func BenchmarkTransfer(b *testing.B) {
+	const batch = 128
+	for _, block := range []int{4 << 10, 64 << 10, 256 << 10, 1 << 20} {
+		size := int64(batch * block)
+		name := fmt.Sprintf("%dKiB", block>>10)
+		b.Run("transport=tcp/block="+name, func(b *testing.B) {
+			a, t := transfertest.NewNode(b, newTransports, nil), transfertest.NewNode(b, newTransports, nil)
+			am, tm := a.Alloc(b, size, transfer.AccessReadWrite), t.Alloc(b, size, transfer.AccessReadWrite)
+			seg, err := a.E.OpenSegment(context.Background(), t.E.Name())
+			if err != nil {
+				b.Fatal(err)
+			}
+			reqs := make([]transfer.Request, batch)
+			for i := range reqs {
+				off := uint64(i * block)
+				reqs[i] = transfer.Request{Op: transfer.Write, Local: uintptr(am.Addr() + off), Len: uint64(block), Segment: seg, Remote: tm.Addr() + off}
+			}
+			b.SetBytes(size)
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := a.E.Transfer(context.Background(), reqs); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+		b.Run("transport=raw/block="+name, func(b *testing.B) {
+			a, t := transfertest.NewNode(b, newTransports, nil), transfertest.NewNode(b, newTransports, nil)
+			am, tm := a.Alloc(b, size, transfer.AccessReadWrite), t.Alloc(b, size, transfer.AccessReadWrite)
+			lanes := 4
+			t.E.Handle("raw", func(c net.Conn, _ transfer.Hello) {
+				for {
+					if _, err := io.ReadFull(c, tm.Bytes()[:min(1<<20, len(tm.Bytes()))]); err != nil {
+						return
+					}
+				}
+			})
+			conns := make([]net.Conn, lanes)
+			for i := range conns {
+				c, err := a.E.Dial(context.Background(), t.E.Descriptor(), "raw")
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer c.Close()
+				conns[i] = c
+			}
+			chunk := min(1<<20, int(size))
+			b.SetBytes(size)
+			b.ReportAllocs()
+			for b.Loop() {
+				// The same bytes as one batch, in 1 MiB writes over the lanes.
+				var wg sync.WaitGroup
+				per := int(size) / lanes
+				for _, c := range conns {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						for sent := 0; sent < per; sent += chunk {
+							c.Write(am.Bytes()[:min(chunk, per-sent)])
+						}
+					}()
+				}
+				wg.Wait()
+			}
+		})
+	}
+}

@@ -1,0 +1,139 @@
+package tcp
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+)
+
+// Wire format of a data lane (byte layout in docs/format/tcp.md). All
+// integers are little-endian.
+//
+//	request  (32 bytes): 'M' 'T' version op | flags u32 | id u64 | addr u64 | len u64
+//	                     then len bytes of payload for a write
+//	response (24 bytes): 'M' 'R' version status | flags u32 | id u64 | len u64
+//	                     then len bytes: the data of a read (status ok), the
+//	                     error text (status != ok), nothing for a write ack
+const (
+	reqSize  = 32
+	respSize = 24
+	version  = 1
+
+	opWrite = 1 // payload follows: store it at [addr, addr+len)
+	opRead  = 2 // reply with the bytes at [addr, addr+len)
+
+	// MaxChunk is the largest length one request may carry on the wire.
+	// Larger tasks are split by the initiator.
+	MaxChunk = 16 << 20
+	// maxErrText caps the error text of a failure response.
+	maxErrText = 4096
+)
+
+// Response status codes.
+const (
+	statusOK          = 0
+	statusOutOfBounds = 1 // the range is not inside one registered region
+	statusDenied      = 2 // the region does not grant the access
+	statusBadRequest  = 3 // malformed request (the connection is closed after it)
+)
+
+var errFrame = errors.New("tcp: bad frame")
+
+type reqHeader struct {
+	op    uint8
+	flags uint32
+	id    uint64
+	addr  uint64
+	len   uint64
+}
+
+func (h *reqHeader) put(b []byte) {
+	_ = b[reqSize-1]
+	b[0], b[1], b[2], b[3] = 'M', 'T', version, h.op
+	binary.LittleEndian.PutUint32(b[4:], h.flags)
+	binary.LittleEndian.PutUint64(b[8:], h.id)
+	binary.LittleEndian.PutUint64(b[16:], h.addr)
+	binary.LittleEndian.PutUint64(b[24:], h.len)
+}
+
+// parseReq decodes and validates a request header. b must hold reqSize bytes.
+func parseReq(b []byte) (reqHeader, error) {
+	var h reqHeader
+	if len(b) < reqSize {
+		return h, fmt.Errorf("%w: request header of %d bytes", errFrame, len(b))
+	}
+	if b[0] != 'M' || b[1] != 'T' {
+		return h, fmt.Errorf("%w: request magic %q", errFrame, b[:2])
+	}
+	if b[2] != version {
+		return h, fmt.Errorf("%w: request version %d, want %d", errFrame, b[2], version)
+	}
+	h.op = b[3]
+	h.flags = binary.LittleEndian.Uint32(b[4:])
+	h.id = binary.LittleEndian.Uint64(b[8:])
+	h.addr = binary.LittleEndian.Uint64(b[16:])
+	h.len = binary.LittleEndian.Uint64(b[24:])
+	if h.op != opWrite && h.op != opRead {
+		return h, fmt.Errorf("%w: request %d: op %d", errFrame, h.id, h.op)
+	}
+	if h.flags != 0 {
+		return h, fmt.Errorf("%w: request %d: unknown flags %#x", errFrame, h.id, h.flags)
+	}
+	if h.len == 0 || h.len > MaxChunk {
+		return h, fmt.Errorf("%w: request %d: length %d not in [1, %d]", errFrame, h.id, h.len, MaxChunk)
+	}
+	if h.addr+h.len < h.addr {
+		return h, fmt.Errorf("%w: request %d: range [%#x, +%d) wraps around", errFrame, h.id, h.addr, h.len)
+	}
+	return h, nil
+}
+
+type respHeader struct {
+	status uint8
+	flags  uint32
+	id     uint64
+	len    uint64
+}
+
+func (h *respHeader) put(b []byte) {
+	_ = b[respSize-1]
+	b[0], b[1], b[2], b[3] = 'M', 'R', version, h.status
+	binary.LittleEndian.PutUint32(b[4:], h.flags)
+	binary.LittleEndian.PutUint64(b[8:], h.id)
+	binary.LittleEndian.PutUint64(b[16:], h.len)
+}
+
+// parseResp decodes and validates a response header. b must hold respSize
+// bytes.
+func parseResp(b []byte) (respHeader, error) {
+	var h respHeader
+	if len(b) < respSize {
+		return h, fmt.Errorf("%w: response header of %d bytes", errFrame, len(b))
+	}
+	if b[0] != 'M' || b[1] != 'R' {
+		return h, fmt.Errorf("%w: response magic %q", errFrame, b[:2])
+	}
+	if b[2] != version {
+		return h, fmt.Errorf("%w: response version %d, want %d", errFrame, b[2], version)
+	}
+	h.status = b[3]
+	h.flags = binary.LittleEndian.Uint32(b[4:])
+	h.id = binary.LittleEndian.Uint64(b[8:])
+	h.len = binary.LittleEndian.Uint64(b[16:])
+	if h.flags != 0 {
+		return h, fmt.Errorf("%w: response %d: unknown flags %#x", errFrame, h.id, h.flags)
+	}
+	switch h.status {
+	case statusOK:
+		if h.len > MaxChunk {
+			return h, fmt.Errorf("%w: response %d: length %d exceeds %d", errFrame, h.id, h.len, MaxChunk)
+		}
+	case statusOutOfBounds, statusDenied, statusBadRequest:
+		if h.len > maxErrText {
+			return h, fmt.Errorf("%w: response %d: error text of %d bytes exceeds %d", errFrame, h.id, h.len, maxErrText)
+		}
+	default:
+		return h, fmt.Errorf("%w: response %d: status %d", errFrame, h.id, h.status)
+	}
+	return h, nil
+}

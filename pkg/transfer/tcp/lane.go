@@ -1,0 +1,462 @@
+package tcp
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+)
+
+// peer is the set of lanes to one incarnation of a segment.
+type peer struct {
+	t     *Transport
+	name  string
+	inc   string
+	ready chan struct{} // closed when dialing ended: lanes or err is set
+	err   error
+	lanes []*lane
+
+	closing atomic.Bool
+}
+
+// peerFor returns the peer for d, starting to dial its lanes if there are
+// none (or only lanes of another incarnation, which it closes).
+func (t *Transport) peerFor(d *transfer.Descriptor) (*peer, error) {
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return nil, fmt.Errorf("tcp: %w", transfer.ErrClosed)
+	}
+	p := t.peers[d.Name]
+	if p != nil && p.inc == d.Incarnation {
+		t.mu.Unlock()
+		return p, nil
+	}
+	old := p
+	p = &peer{t: t, name: d.Name, inc: d.Incarnation, ready: make(chan struct{})}
+	t.peers[d.Name] = p
+	t.wg.Add(1)
+	t.mu.Unlock()
+	if old != nil {
+		old.close(fmt.Errorf("%w: %s is now incarnation %s", transfer.ErrPeerRestarted, d.Name, d.Incarnation))
+	}
+	dd := d.Clone()
+	go func() {
+		defer t.wg.Done()
+		t.dial(p, dd)
+	}()
+	return p, nil
+}
+
+// forget removes p from the peer table if it is still there.
+func (t *Transport) forget(p *peer) {
+	t.mu.Lock()
+	if t.peers[p.name] == p {
+		delete(t.peers, p.name)
+	}
+	t.mu.Unlock()
+}
+
+func (t *Transport) dial(p *peer, d *transfer.Descriptor) {
+	ctx, cancel := context.WithTimeout(t.ctx, t.h.Timeout())
+	defer cancel()
+	conns := make([]net.Conn, t.cfg.Lanes)
+	errs := make([]error, t.cfg.Lanes)
+	var wg sync.WaitGroup
+	for i := range conns {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conns[i], errs[i] = t.h.Dial(ctx, d, Name)
+		}()
+	}
+	wg.Wait()
+	err := errors.Join(errs...)
+	if err == nil && ctx.Err() != nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		for _, c := range conns {
+			if c != nil {
+				c.Close()
+			}
+		}
+		// Keep the first error: errors.Join of identical refusals is noise.
+		for _, e := range errs {
+			if e != nil {
+				err = e
+				break
+			}
+		}
+		p.err = fmt.Errorf("tcp: open lanes to %s: %w", p.name, err)
+		t.forget(p)
+		close(p.ready)
+		return
+	}
+	t.mu.Lock()
+	closed := t.closed || t.peers[p.name] != p
+	if !closed {
+		for _, c := range conns {
+			l := newLane(p, c)
+			p.lanes = append(p.lanes, l)
+			t.wg.Add(2)
+			go func() { defer t.wg.Done(); l.writeLoop() }()
+			go func() { defer t.wg.Done(); l.readLoop() }()
+		}
+	}
+	t.mu.Unlock()
+	if closed {
+		for _, c := range conns {
+			c.Close()
+		}
+		p.err = fmt.Errorf("tcp: lanes to %s: %w", p.name, transfer.ErrClosed)
+	} else {
+		t.lg.Debug("lanes open", zap.String("peer", p.name), zap.String("incarnation", p.inc), zap.Int("lanes", len(conns)))
+	}
+	close(p.ready)
+}
+
+// close fails every lane of the peer with err.
+func (p *peer) close(err error) {
+	if !p.closing.CompareAndSwap(false, true) {
+		return
+	}
+	failLanes := func() {
+		for _, l := range p.lanes {
+			l.fail(err)
+		}
+	}
+	select {
+	case <-p.ready:
+		failLanes()
+	default: // still dialing: fail the lanes once they exist
+		p.t.wg.Add(1)
+		go func() {
+			defer p.t.wg.Done()
+			<-p.ready
+			failLanes()
+		}()
+	}
+}
+
+// piece is one request on the wire: a whole task or one chunk of it.
+type piece struct {
+	hdr    [reqSize]byte
+	op     uint8
+	local  uint64
+	remote uint64
+	n      uint64
+	task   *transfer.Task
+	split  *atomic.Int64 // chunks left, for split tasks
+	ctx    context.Context
+}
+
+func (pc *piece) finish(err error) {
+	if pc.split == nil || err != nil {
+		pc.task.Done(err)
+		if pc.split != nil {
+			pc.split.Add(-1)
+		}
+		return
+	}
+	if pc.split.Add(-1) == 0 {
+		pc.task.Done(nil) // no effect if a chunk failed first
+	}
+}
+
+// dispatch splits tasks into pieces and hands them to the least loaded lanes.
+func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Task) {
+	if p.err != nil {
+		failAll(tasks, p.err)
+		return
+	}
+	chunk := uint64(t.cfg.ChunkSize)
+	n := 0
+	for _, tk := range tasks {
+		n += int((tk.Len + chunk - 1) / chunk)
+	}
+	pieces := make([]piece, n)
+	perLane := make([][]*piece, len(p.lanes))
+	load := make([]int64, len(p.lanes))
+	for i, l := range p.lanes {
+		load[i] = l.load.Load()
+	}
+	k := 0
+	for _, tk := range tasks {
+		op := uint8(opWrite)
+		if tk.Op == transfer.Read {
+			op = opRead
+		}
+		var split *atomic.Int64
+		if tk.Len > chunk {
+			split = new(atomic.Int64)
+			split.Store(int64((tk.Len + chunk - 1) / chunk))
+		}
+		for off := uint64(0); off < tk.Len; off += chunk {
+			pc := &pieces[k]
+			k++
+			*pc = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
+				task: tk, split: split, ctx: ctx}
+			best := 0
+			for i := range load {
+				if load[i] < load[best] {
+					best = i
+				}
+			}
+			load[best] += int64(pc.n) + reqSize
+			perLane[best] = append(perLane[best], pc)
+		}
+	}
+	for i, l := range p.lanes {
+		if len(perLane[i]) > 0 {
+			l.enqueue(perLane[i])
+		}
+	}
+}
+
+// lane is one data connection to a peer: a writer goroutine sends queued
+// pieces, a reader goroutine matches responses to them by id.
+type lane struct {
+	p    *peer
+	conn net.Conn
+	br   *bufio.Reader
+	max  int
+	tmo  time.Duration
+	load atomic.Int64 // bytes queued or in flight
+
+	mu       sync.Mutex
+	cond     sync.Cond
+	queue    []*piece
+	inflight map[uint64]*piece
+	next     uint64
+	err      error
+	lastDL   time.Time // when the read deadline was last pushed
+}
+
+func newLane(p *peer, c net.Conn) *lane {
+	l := &lane{p: p, conn: c, br: bufio.NewReaderSize(c, readBufSize), max: p.t.cfg.MaxInflight,
+		tmo: p.t.h.Timeout(), inflight: map[uint64]*piece{}}
+	l.cond.L = &l.mu
+	return l
+}
+
+func (l *lane) enqueue(ps []*piece) {
+	var add int64
+	for _, pc := range ps {
+		add += int64(pc.n) + reqSize
+	}
+	l.mu.Lock()
+	if l.err != nil {
+		err := l.err
+		l.mu.Unlock()
+		for _, pc := range ps {
+			pc.finish(err)
+		}
+		return
+	}
+	l.load.Add(add)
+	l.queue = append(l.queue, ps...)
+	l.mu.Unlock()
+	l.cond.Signal()
+}
+
+// fail ends the lane: every queued or in-flight piece fails with err, and
+// the peer's other lanes go too (a broken lane means a broken peer).
+func (l *lane) fail(err error) {
+	l.mu.Lock()
+	if l.err != nil {
+		l.mu.Unlock()
+		return
+	}
+	l.err = err
+	q, inf := l.queue, l.inflight
+	l.queue, l.inflight = nil, map[uint64]*piece{}
+	l.mu.Unlock()
+	l.cond.Broadcast()
+	l.conn.Close()
+	for _, pc := range q {
+		pc.finish(err)
+	}
+	for _, pc := range inf {
+		pc.finish(err)
+	}
+	l.p.t.forget(l.p)
+	l.p.close(err)
+}
+
+func (l *lane) deadErr(what string, err error) error {
+	if errors.Is(err, net.ErrClosed) {
+		l.mu.Lock()
+		e := l.err
+		l.mu.Unlock()
+		if e != nil {
+			return e
+		}
+	}
+	return fmt.Errorf("%w: tcp lane to %s: %s: %v", transfer.ErrPeerDead, l.p.name, what, err)
+}
+
+// pushDeadlineLocked moves the read deadline to now+timeout when it was
+// last moved more than timeout/8 ago (or force). A lane with requests in
+// flight and nothing received for about the timeout is dead.
+func (l *lane) pushDeadlineLocked(force bool) {
+	now := time.Now()
+	if force || now.Sub(l.lastDL) > l.tmo/8 {
+		l.conn.SetReadDeadline(now.Add(l.tmo))
+		l.lastDL = now
+	}
+}
+
+const maxSendBatch = 128
+
+func (l *lane) writeLoop() {
+	var batch, skipped []*piece
+	bufs := make(net.Buffers, 0, 2*maxSendBatch)
+	for {
+		l.mu.Lock()
+		for l.err == nil && (len(l.queue) == 0 || len(l.inflight) >= l.max) {
+			l.cond.Wait()
+		}
+		if l.err != nil {
+			l.mu.Unlock()
+			return
+		}
+		idle := len(l.inflight) == 0
+		batch, skipped = batch[:0], skipped[:0]
+		var size uint64
+		i := 0
+		for ; i < len(l.queue) && len(l.inflight) < l.max && len(batch) < maxSendBatch && size < maxWriteBytes; i++ {
+			pc := l.queue[i]
+			if pc.ctx.Err() != nil {
+				skipped = append(skipped, pc)
+				continue
+			}
+			l.next++
+			(&reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}).put(pc.hdr[:])
+			l.inflight[l.next] = pc
+			batch = append(batch, pc)
+			if pc.op == opWrite {
+				size += pc.n
+			}
+		}
+		rest := copy(l.queue, l.queue[i:])
+		clear(l.queue[rest:])
+		l.queue = l.queue[:rest]
+		if len(batch) > 0 {
+			l.pushDeadlineLocked(idle)
+		}
+		l.mu.Unlock()
+		for _, pc := range skipped {
+			l.load.Add(-int64(pc.n) - reqSize)
+			pc.finish(fmt.Errorf("tcp: not sent to %s: %w", l.p.name, pc.ctx.Err()))
+		}
+		if len(batch) == 0 {
+			continue
+		}
+		bufs = bufs[:0]
+		for _, pc := range batch {
+			bufs = append(bufs, pc.hdr[:])
+			if pc.op == opWrite {
+				bufs = append(bufs, mem(pc.local, pc.n))
+			}
+		}
+		l.conn.SetWriteDeadline(time.Now().Add(l.tmo))
+		b := bufs
+		if _, err := b.WriteTo(l.conn); err != nil {
+			l.fail(l.deadErr("send", err))
+			return
+		}
+		clear(bufs)
+	}
+}
+
+func (l *lane) readLoop() {
+	var hb [respSize]byte
+	for {
+		n, err := io.ReadFull(l.br, hb[:])
+		if err != nil {
+			if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+				l.mu.Lock()
+				idle := len(l.inflight) == 0 && l.err == nil
+				if idle {
+					l.conn.SetReadDeadline(time.Time{})
+				}
+				l.mu.Unlock()
+				if idle {
+					continue
+				}
+				err = fmt.Errorf("nothing received for %v with requests in flight", l.tmo)
+			}
+			l.fail(l.deadErr("receive", err))
+			return
+		}
+		h, err := parseResp(hb[:])
+		if err != nil {
+			l.fail(fmt.Errorf("%w: tcp lane to %s: %v", transfer.ErrPeerDead, l.p.name, err))
+			return
+		}
+		l.mu.Lock()
+		pc := l.inflight[h.id]
+		full := len(l.inflight) >= l.max
+		delete(l.inflight, h.id)
+		if len(l.inflight) > 0 {
+			l.pushDeadlineLocked(false)
+		}
+		l.mu.Unlock()
+		if pc == nil {
+			l.fail(fmt.Errorf("%w: tcp lane to %s: response to unknown request %d", transfer.ErrPeerDead, l.p.name, h.id))
+			return
+		}
+		if full {
+			l.cond.Signal()
+		}
+		l.load.Add(-int64(pc.n) - reqSize)
+		if h.status != statusOK {
+			text := make([]byte, h.len)
+			if _, err := io.ReadFull(l.br, text); err != nil {
+				err = l.deadErr("receive", err)
+				pc.finish(err)
+				l.fail(err)
+				return
+			}
+			pc.finish(statusErr(l.p.name, h.status, string(text)))
+			continue
+		}
+		want := uint64(0)
+		if pc.op == opRead {
+			want = pc.n
+		}
+		if h.len != want {
+			err := fmt.Errorf("%w: tcp lane to %s: response %d carries %d bytes, want %d", transfer.ErrPeerDead, l.p.name, h.id, h.len, want)
+			pc.finish(err)
+			l.fail(err)
+			return
+		}
+		if want > 0 {
+			if pc.ctx.Err() != nil {
+				// The batch ended (timed out or canceled): its memory may be
+				// reused, so drop the data.
+				_, err = l.br.Discard(int(want))
+			} else {
+				_, err = io.ReadFull(l.br, mem(pc.local, want))
+			}
+			if err != nil {
+				err = l.deadErr("receive", err)
+				pc.finish(err)
+				l.fail(err)
+				return
+			}
+		}
+		pc.finish(nil)
+	}
+}

@@ -1,0 +1,131 @@
+package tcp_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
+)
+
+func newTransports() []transfer.Transport { return []transfer.Transport{tcp.New(tcp.Config{})} }
+
+func TestMain(m *testing.M) {
+	transfertest.TargetMain(newTransports)
+	goleak.VerifyTestMain(m)
+}
+
+func TestConformance(t *testing.T) {
+	transfertest.Run(t, newTransports)
+}
+
+// Small chunks and one in-flight request per lane exercise splitting and
+// the in-flight limit.
+func TestConformanceSmallChunks(t *testing.T) {
+	transfertest.Run(t, func() []transfer.Transport {
+		return []transfer.Transport{tcp.New(tcp.Config{Lanes: 3, MaxInflight: 1, ChunkSize: 4096 + 3})}
+	})
+}
+
+func TestProcess(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts processes")
+	}
+	transfertest.RunProcess(t, newTransports)
+}
+
+func TestConfigValidate(t *testing.T) {
+	for _, c := range []tcp.Config{{Lanes: -1}, {MaxInflight: -1}, {ChunkSize: tcp.MaxChunk + 1}} {
+		if err := c.Validate(); err == nil {
+			t.Errorf("%+v: no error", c)
+		}
+		if _, err := transfer.New(context.Background(), transfer.Config{Transports: []transfer.Transport{tcp.New(c)}}); err == nil {
+			t.Errorf("%+v: engine started", c)
+		}
+	}
+	if got := tcp.New(tcp.Config{}).Config(); got.Lanes == 0 || got.MaxInflight == 0 || got.ChunkSize == 0 {
+		t.Errorf("defaults not filled: %+v", got)
+	}
+}
+
+// TestServerChecksEveryRequest speaks the wire format directly, bypassing
+// the initiator's checks: the serving side must refuse out-of-range and
+// read-only targets itself, keep the lane usable, and close it on a bad
+// frame.
+func TestServerChecksEveryRequest(t *testing.T) {
+	b := transfertest.NewNode(t, newTransports, nil)
+	rw := b.Alloc(t, 1<<16, transfer.AccessReadWrite)
+	ro := b.Alloc(t, 1<<16, transfer.AccessRead)
+	a := transfertest.NewNode(t, newTransports, nil)
+	conn, err := a.E.Dial(context.Background(), b.E.Descriptor(), tcp.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	payload := []byte("0123456789")
+	cases := []struct {
+		name   string
+		op     uint8
+		addr   uint64
+		n      uint64
+		status uint8
+		errHas string
+	}{
+		{"write crosses end", tcp.OpWrite, rw.Addr() + 1<<16 - 5, 10, tcp.StatusOutOfBounds, "crosses the end"},
+		{"write unregistered", tcp.OpWrite, 0x10000, 10, tcp.StatusOutOfBounds, "not in any"},
+		{"write read-only", tcp.OpWrite, ro.Addr(), 10, tcp.StatusDenied, "grants read"},
+		{"read crosses end", tcp.OpRead, ro.Addr() + 1<<16 - 1, 10, tcp.StatusOutOfBounds, "crosses the end"},
+		{"write ok", tcp.OpWrite, rw.Addr() + 7, 10, tcp.StatusOK, ""},
+		{"read ok", tcp.OpRead, rw.Addr() + 7, 10, tcp.StatusOK, ""},
+	}
+	for i, c := range cases {
+		var p []byte
+		if c.op == tcp.OpWrite {
+			p = payload
+		}
+		if _, err := conn.Write(append(tcp.EncodeRequest(c.op, uint64(i), c.addr, c.n), p...)); err != nil {
+			t.Fatal(err)
+		}
+		status, id, body, err := tcp.ReadResponse(conn)
+		if err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		if status != c.status || id != uint64(i) {
+			t.Fatalf("%s: status %d id %d (%q), want %d id %d", c.name, status, id, body, c.status, i)
+		}
+		if c.errHas != "" && (!strings.Contains(string(body), c.errHas) || !strings.Contains(string(body), "0x")) {
+			t.Errorf("%s: error %q does not name the range and %q", c.name, body, c.errHas)
+		}
+		if c.name == "read ok" && string(body) != string(payload) {
+			t.Errorf("read back %q", body)
+		}
+	}
+	for i, c := range rw.Bytes() {
+		if (i < 7 || i >= 17) && c != transfertest.Poison {
+			t.Fatalf("byte %d written", i)
+		}
+	}
+	for _, c := range ro.Bytes() {
+		if c != transfertest.Poison {
+			t.Fatal("read-only region written")
+		}
+	}
+	// A bad frame: answered with status bad request, then the lane closes.
+	bad := tcp.EncodeRequest(tcp.OpWrite, 99, rw.Addr(), 1<<40)
+	conn.Write(bad)
+	status, _, body, err := tcp.ReadResponse(conn)
+	if err != nil || status != tcp.StatusBadRequest {
+		t.Fatalf("bad frame: status %d %q %v", status, body, err)
+	}
+	if _, err := conn.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("lane not closed after a bad frame: %v", err)
+	}
+}
