@@ -1,7 +1,9 @@
 package registry
 
 import (
+	"context"
 	"errors"
+	"io"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -11,9 +13,14 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/httpmeta"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/registrytest"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
 func TestMain(m *testing.M) {
+	transfertest.OpenRegistry = func(ctx context.Context, spec string) (transfer.Registry, io.Closer, error) {
+		return Open(ctx, spec, Options{})
+	}
+	transfertest.TargetMain(processTransports)
 	goleak.VerifyTestMain(m,
 		goleak.IgnoreTopFunction("google.golang.org/grpc/internal/grpcsync.(*CallbackSerializer).run"),
 		goleak.IgnoreTopFunction("go.opencensus.io/stats/view.(*worker).start"),

@@ -23,7 +23,13 @@ const (
 	EnvTarget     = "MOONCAKE_TRANSFERTEST_TARGET" // "1": run as a target
 	envTargetSize = "MOONCAKE_TRANSFERTEST_SIZE"
 	envTargetTok  = "MOONCAKE_TRANSFERTEST_TOKEN"
+	envTargetReg  = "MOONCAKE_TRANSFERTEST_REGISTRY"
 )
+
+// OpenRegistry, when set (by a test package, before TargetMain), opens the
+// registry a spec names, in the target and in RunProcessRegistry's
+// initiator. It keeps this package free of registry implementations.
+var OpenRegistry func(ctx context.Context, spec string) (transfer.Registry, io.Closer, error)
 
 // TargetMain makes a test binary usable as a target process. Call it first
 // in TestMain: when the binary was started by StartTarget it runs the
@@ -49,8 +55,20 @@ func runTarget(newTransports func() []transfer.Transport) error {
 		return fmt.Errorf("bad %s: %v", envTargetSize, err)
 	}
 	ctx := context.Background()
+	var reg transfer.Registry
+	if spec := os.Getenv(envTargetReg); spec != "" {
+		if OpenRegistry == nil {
+			return fmt.Errorf("%s=%s but OpenRegistry is not set", envTargetReg, spec)
+		}
+		r, closer, err := OpenRegistry(ctx, spec)
+		if err != nil {
+			return err
+		}
+		defer closer.Close()
+		reg = r
+	}
 	e, err := transfer.New(ctx, transfer.Config{Listen: "127.0.0.1:0", Transports: newTransports(),
-		ClusterToken: os.Getenv(envTargetTok)})
+		ClusterToken: os.Getenv(envTargetTok), Registry: reg})
 	if err != nil {
 		return err
 	}
@@ -79,9 +97,16 @@ type Target struct {
 // TargetMain) with size bytes of memory, and waits for its readiness lines.
 // The process is stopped when the test ends.
 func StartTarget(t testing.TB, size int64, token string) *Target {
+	return StartTargetRegistry(t, size, token, "")
+}
+
+// StartTargetRegistry is StartTarget with the target's descriptor published
+// in the registry spec names ("" = P2P).
+func StartTargetRegistry(t testing.TB, size int64, token, spec string) *Target {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), EnvTarget+"=1", envTargetSize+"="+strconv.FormatInt(size, 10), envTargetTok+"="+token)
+	cmd.Env = append(os.Environ(), EnvTarget+"=1", envTargetSize+"="+strconv.FormatInt(size, 10), envTargetTok+"="+token,
+		envTargetReg+"="+spec)
 	cmd.Stderr = os.Stderr
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -154,10 +179,27 @@ func RunProcess(t *testing.T, newTransports func() []transfer.Transport) {
 	t.Run("Kill", func(t *testing.T) { testProcessKill(t, newTransports) })
 }
 
-func testProcessData(t *testing.T, nt func() []transfer.Transport) {
+// RunProcessRegistry runs the two-process data test with both processes
+// using the registry spec names (OpenRegistry must be set): the initiator
+// finds the target's segment through the registry, not by dialing it.
+func RunProcessRegistry(t *testing.T, newTransports func() []transfer.Transport, spec string) {
+	if OpenRegistry == nil {
+		t.Fatal("transfertest.OpenRegistry is not set")
+	}
+	reg, closer, err := OpenRegistry(context.Background(), spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { closer.Close() })
+	testProcessDataWith(t, newTransports, spec, reg)
+}
+
+func testProcessData(t *testing.T, nt func() []transfer.Transport) { testProcessDataWith(t, nt, "", nil) }
+
+func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec string, reg transfer.Registry) {
 	const size = 8 << 20
-	tg := StartTarget(t, size, "tok")
-	a := NewNode(t, nt, func(c *transfer.Config) { c.ClusterToken = "tok" })
+	tg := StartTargetRegistry(t, size, "tok", spec)
+	a := NewNode(t, nt, func(c *transfer.Config) { c.ClusterToken = "tok"; c.Registry = reg })
 	am := a.Alloc(t, size, transfer.AccessReadWrite)
 	check := a.Alloc(t, size, transfer.AccessReadWrite)
 	seg := open(t, a.E, tg.Name)
