@@ -1,0 +1,40 @@
+// Package csrc holds the C shims (compiled into internal/cuda) and the CUDA
+// kernel sources, embedded into the binary and compiled at run time by NVRTC
+// for the device found. Add a kernel set by dropping a .cu file here: it is
+// picked up by name (file name without .cu).
+package csrc
+
+import (
+	"embed"
+	"io/fs"
+	"sort"
+	"strings"
+)
+
+//go:embed *.cu
+var kernelFS embed.FS
+
+// Kernel returns the CUDA C source of the kernel set name ("copy_kernels").
+func Kernel(name string) (string, error) {
+	b, err := kernelFS.ReadFile(strings.TrimSuffix(name, ".cu") + ".cu")
+	if err != nil {
+		return "", err
+	}
+	return string(b), nil
+}
+
+// Kernels lists the embedded kernel sets, sorted.
+func Kernels() []string {
+	ents, _ := fs.ReadDir(kernelFS, ".")
+	var out []string
+	for _, e := range ents {
+		if n, ok := strings.CutSuffix(e.Name(), ".cu"); ok {
+			out = append(out, n)
+		}
+	}
+	sort.Strings(out)
+	return out
+}
+
+// CopyKernels is the name of the gather/scatter copy kernel set.
+const CopyKernels = "copy_kernels"

@@ -1,0 +1,1 @@
+#include "../../csrc/cuda_shim.c"

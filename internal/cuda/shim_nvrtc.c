@@ -1,0 +1,1 @@
+#include "../../csrc/nvrtc_shim.c"
