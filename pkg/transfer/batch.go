@@ -106,6 +106,7 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: %w from %v to %v (installed: %v)",
 				i, ErrNoTransport, lr.Location, rr.Location, e.transportNames())}
 		}
+		e.noteChoice(s.name, d.Incarnation, t.Name(), lr.Location, rr.Location)
 		rcopy := *rr
 		tasks[i] = &Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: &rcopy, LocalRegion: lr}
 		ts[i], peers[i] = t, d
@@ -162,6 +163,16 @@ func (e *Engine) pick(loc Location, peer *Descriptor, rem *RegionInfo) Transport
 		}
 	}
 	return nil
+}
+
+// noteChoice logs, once per peer incarnation and pair of locations, which
+// transport the selector chose.
+func (e *Engine) noteChoice(seg, inc, transport string, from, to Location) {
+	key := seg + "|" + inc + "|" + transport + "|" + from.String() + "|" + to.String()
+	if _, seen := e.chosen.LoadOrStore(key, true); !seen {
+		e.lg.Info("transport selected", zap.String("segment", seg), zap.String("transport", transport),
+			zap.Stringer("local", from), zap.Stringer("remote", to))
+	}
 }
 
 // Select names the transport the engine would use between local memory at

@@ -81,6 +81,7 @@ type Engine struct {
 	handlers map[string]func(net.Conn, Hello)
 	ctl      map[string]*ctlConn // by peer name
 	closed   bool
+	chosen   sync.Map // transport choices already logged
 
 	wg     sync.WaitGroup
 	done   chan struct{}
