@@ -32,7 +32,14 @@ type PrefillConfig struct {
 	AuxSlots   int // staging slots for first tokens (default 4096)
 	Logger     *zap.Logger
 	Registerer prometheus.Registerer
+	// FailTransfers is fault injection for tests (serve --debug-fault
+	// transfer): every KV transfer targets an address outside the decode's
+	// registered regions, so the transfer engine refuses it for real.
+	FailTransfers bool
 }
+
+// faultRemote is where FailTransfers aims: far above any mapping.
+const faultRemote = 1 << 62
 
 // Prefill is the prefill side: the bootstrap server and the KV pushes.
 type Prefill struct {
@@ -45,6 +52,7 @@ type Prefill struct {
 
 	mu     sync.Mutex
 	rooms  map[uint64]*proom
+	failed map[uint64]tomb // rooms that failed lately, so a late half learns why at once
 	closed bool
 	wg     sync.WaitGroup
 	ctx    context.Context
@@ -76,7 +84,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		return nil, err
 	}
 	p := &Prefill{cfg: cfg, lg: lg.Named("disagg.prefill"), m: newMetrics(cfg.Registerer, "prefill"), ln: ln, aux: aux,
-		rooms: map[uint64]*proom{}}
+		rooms: map[uint64]*proom{}, failed: map[uint64]tomb{}}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /bootstrap/info", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, p.cfg.Info) })
@@ -126,6 +134,9 @@ func (p *Prefill) room(id uint64) (*proom, error) {
 	if p.closed {
 		return nil, errors.New("disagg: prefill server closing")
 	}
+	if t, ok := p.failed[id]; ok {
+		return nil, fmt.Errorf("room %d already failed: %s", id, t.reason)
+	}
 	r := p.rooms[id]
 	if r == nil {
 		r = &proom{p: p, id: id, kick: make(chan struct{}, 1), created: time.Now(),
@@ -152,7 +163,11 @@ func (p *Prefill) handleRoom(w http.ResponseWriter, req *http.Request) {
 	}
 	r, err := p.room(rr.Room)
 	if err != nil {
-		writeErr(w, 503, err.Error())
+		code := 409
+		if p.isClosed() {
+			code = 503
+		}
+		writeErr(w, code, err.Error())
 		return
 	}
 	if err := r.setDst(&rr); err != nil {
@@ -173,8 +188,40 @@ func (p *Prefill) handleCancel(w http.ResponseWriter, req *http.Request) {
 	p.mu.Unlock()
 	if r != nil {
 		r.fail("decode canceled the request")
+		// Answer only once no transfer into decode's pages is in flight:
+		// decode frees them as soon as we answer.
+		r.xmu.Lock()
+		r.xmu.Unlock()
 	}
 	writeJSON(w, 200, map[string]string{"status": "ok"})
+}
+
+// tomb is a failed room's reason, kept for one Timeout.
+type tomb struct {
+	reason string
+	at     time.Time
+}
+
+func (p *Prefill) isClosed() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.closed
+}
+
+// bury forgets room id, remembering its failure for one Timeout (pruning
+// older ones). Call with p.mu held.
+func (p *Prefill) bury(id uint64, err error) {
+	delete(p.rooms, id)
+	if err == nil {
+		return
+	}
+	now := time.Now()
+	for k, t := range p.failed {
+		if now.Sub(t.at) > p.cfg.Timeout {
+			delete(p.failed, k)
+		}
+	}
+	p.failed[id] = tomb{reason: err.Error(), at: now}
 }
 
 // Prepare turns req into a prefill-only request of room: the engine will
@@ -200,6 +247,10 @@ type proom struct {
 	lg      *zap.Logger
 	kick    chan struct{}
 	created time.Time
+	// xmu is held while a push writes into decode's pages, and a push
+	// starts only if the room has not failed: once fail has returned and
+	// xmu was taken and released, no more bytes reach decode.
+	xmu sync.Mutex
 
 	mu        sync.Mutex
 	state     State
@@ -359,7 +410,13 @@ func (r *proom) promptPages() int {
 // push writes the pages completed since the last push; after the last
 // chunk, the remaining pages and the first token go in one batch.
 func (r *proom) push() error {
+	r.xmu.Lock()
+	defer r.xmu.Unlock()
 	r.mu.Lock()
+	if r.err != nil { // failed (canceled) since the worker looked
+		r.mu.Unlock()
+		return nil
+	}
 	ps := r.p.cfg.Info.Layout.PageSize
 	upto := r.tokens / ps
 	if r.done {
@@ -397,9 +454,13 @@ func (r *proom) push() error {
 	}
 	reqs := make([]transfer.Request, 0, len(pairs)+1)
 	var n int64
+	remote := dst.Decode.PoolAddr
+	if p.cfg.FailTransfers {
+		remote = faultRemote
+	}
 	for _, pr := range pairs {
 		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr + uint64(pr.Src)),
-			Len: uint64(pr.Len), Segment: seg, Remote: dst.Decode.PoolAddr + uint64(pr.Dst)})
+			Len: uint64(pr.Len), Segment: seg, Remote: remote + uint64(pr.Dst)})
 		n += pr.Len
 	}
 	slot := -1
@@ -459,7 +520,7 @@ func (r *proom) finish(err error) {
 		release()
 	}
 	p.mu.Lock()
-	delete(p.rooms, r.id)
+	p.bury(r.id, err)
 	p.mu.Unlock()
 	p.m.rooms.WithLabelValues("prefill", r.state.String()).Dec()
 	if err == nil {

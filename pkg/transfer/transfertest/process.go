@@ -194,7 +194,9 @@ func RunProcessRegistry(t *testing.T, newTransports func() []transfer.Transport,
 	testProcessDataWith(t, newTransports, spec, reg)
 }
 
-func testProcessData(t *testing.T, nt func() []transfer.Transport) { testProcessDataWith(t, nt, "", nil) }
+func testProcessData(t *testing.T, nt func() []transfer.Transport) {
+	testProcessDataWith(t, nt, "", nil)
+}
 
 func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec string, reg transfer.Registry) {
 	const size = 8 << 20
