@@ -265,6 +265,7 @@ type proom struct {
 	release   func()
 	err       error // first failure
 	sentPages int
+	auxSent   bool // the first token is in decode's aux slot
 	bytes     int64
 	xfer      time.Duration
 }
@@ -389,7 +390,9 @@ func (r *proom) run() {
 		}
 		r.mu.Lock()
 		err, done = r.err, r.done
-		finished := done && err == nil && r.sentPages == r.promptPages()
+		// Every page may already be out (a last chunk that ends on a page
+		// boundary) while the first token is not: success needs both.
+		finished := done && err == nil && r.sentPages == r.promptPages() && r.auxSent
 		r.mu.Unlock()
 		switch {
 		case finished:
@@ -480,6 +483,7 @@ func (r *proom) push() error {
 	el := time.Since(start)
 	r.mu.Lock()
 	r.sentPages = upto
+	r.auxSent = r.auxSent || done
 	r.bytes += n
 	r.xfer += el
 	r.mu.Unlock()

@@ -1,0 +1,296 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// pdFlags are the serve flags every server of a comparison shares: small
+// pages and chunks that do not line up with them, so long prompts take
+// several pushes with partial pages.
+var pdFlags = []string{"--served-model-name", "stories260K", "--page-size", "16", "--chunked-prefill-size", "40", "--max-total-tokens", "8192"}
+
+type refCase struct {
+	Prompt string `json:"prompt"`
+	Next   []int  `json:"greedy_next_ids"`
+}
+
+// workload is one request of the comparison.
+type workload struct {
+	body map[string]any
+	ref  []int // llama2.c's greedy output, when known
+}
+
+func loadRefs(t *testing.T, shared string) []refCase {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(shared, "reference", "stories260K-greedy.json"))
+	if err != nil {
+		t.Skipf("reference outputs: %v", err)
+	}
+	var f struct {
+		Cases []refCase `json:"cases"`
+	}
+	if err := json.Unmarshal(b, &f); err != nil {
+		t.Fatal(err)
+	}
+	return f.Cases
+}
+
+// workloads are the reference cases plus n generated prompts (fixed seed),
+// some streamed.
+func workloads(refs []refCase, n int) []workload {
+	var out []workload
+	for _, c := range refs {
+		out = append(out, workload{ref: c.Next, body: map[string]any{"text": c.Prompt,
+			"sampling_params": map[string]any{"temperature": 0, "max_new_tokens": len(c.Next)}}})
+	}
+	words := strings.Fields(`once upon a time there was a little girl named Lily she loved to play outside
+		in the park one day saw big red ball Tom and Ben went dog cat bird tree happy sad mom said let's go
+		home sun was shining they ran fast jumped over the fence found a box with toys inside`)
+	rng := rand.New(rand.NewPCG(42, 7))
+	for i := range n {
+		k := 1 + rng.IntN(140)
+		if i%8 == 0 {
+			k = 150 + rng.IntN(100) // several chunks and pages
+		}
+		ws := make([]string, k)
+		for j := range ws {
+			ws[j] = words[rng.IntN(len(words))]
+		}
+		sp := map[string]any{"temperature": 0, "max_new_tokens": 1 + rng.IntN(60)}
+		if i%5 == 0 {
+			sp["ignore_eos"] = true
+		}
+		body := map[string]any{"text": strings.Join(ws, " "), "sampling_params": sp}
+		if i%3 == 0 {
+			body["stream"] = true
+		}
+		out = append(out, workload{body: body})
+	}
+	return out
+}
+
+// runAll sends every workload to url, conc at a time; outputs by index.
+func runAll(t *testing.T, url string, ws []workload, conc int) [][]int {
+	t.Helper()
+	out := make([][]int, len(ws))
+	errs := make([]string, len(ws))
+	sem := make(chan struct{}, conc)
+	var wg sync.WaitGroup
+	for i, w := range ws {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			r, err := generate(ctx, url, w.body)
+			switch {
+			case err != nil:
+				errs[i] = err.Error()
+			case r.Status != 200 || r.StreamErr != "":
+				errs[i] = fmt.Sprintf("status %d %s %s", r.Status, r.Raw, r.StreamErr)
+			case w.body["stream"] == true && !r.Done:
+				errs[i] = "stream ended without [DONE]"
+			default:
+				out[i] = r.IDs
+			}
+		}()
+	}
+	wg.Wait()
+	for i, e := range errs {
+		if e != "" {
+			t.Errorf("request %d (%s): %s", i, url, e)
+		}
+	}
+	if t.Failed() {
+		t.FailNow()
+	}
+	return out
+}
+
+// compare fails on the first request whose tokens differ.
+func compare(t *testing.T, what string, ws []workload, want, got [][]int) {
+	t.Helper()
+	bad := 0
+	for i := range ws {
+		if !slices.Equal(want[i], got[i]) {
+			if bad++; bad <= 3 {
+				t.Errorf("%s: request %d (%q...): colocated %v, disaggregated %v", what, i,
+					trunc(fmt.Sprint(ws[i].body["text"]), 40), want[i], got[i])
+			}
+		}
+	}
+	if bad > 0 {
+		t.Fatalf("%s: %d of %d requests differ", what, bad, len(ws))
+	}
+}
+
+func trunc(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
+
+// TestDisaggMatchesColocated: for the reference cases and generated prompts
+// at concurrency 16, 1P1D (shm, tcp) and 2P2D through the LB give the
+// colocated server's tokens, token for token; metrics move as they should
+// and every page comes back.
+func TestDisaggMatchesColocated(t *testing.T) {
+	shared := sharedDir(t)
+	refs := loadRefs(t, shared)
+	model := storiesArgs(shared)
+	ws := workloads(refs, 96)
+	args := append(append([]string{}, model...), pdFlags...)
+
+	colo := serve(t, serveOpts{name: "colocated", args: args})
+	want := runAll(t, colo.url, ws, 16)
+	for i, w := range ws {
+		if w.ref != nil && !slices.Equal(want[i], w.ref) {
+			t.Errorf("colocated output of %q differs from llama2.c's:\n got %v\nwant %v", w.body["text"], want[i], w.ref)
+		}
+	}
+	colo.kill()
+
+	for _, tc := range []struct {
+		name      string
+		transport string
+		pEnv      []string
+		pArgs     []string
+		dArgs     []string
+	}{
+		{name: "1P1D/shm", transport: "shm"},
+		// tcp forced both ways: the environment on one side, the flag on the other.
+		{name: "1P1D/tcp", transport: "tcp", pEnv: []string{"MC_FORCE_TCP=1"},
+			dArgs: []string{"--disaggregation-transfer-backend", "tcp"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := serve(t, serveOpts{name: "prefill", mode: "prefill", env: tc.pEnv, args: append(slices.Clone(args), tc.pArgs...)})
+			d := serve(t, serveOpts{name: "decode", mode: "decode", args: append(slices.Clone(args), tc.dArgs...)})
+			l := lb(t, "lb", []*server{p}, []*server{d})
+			pFree, dFree := p.freePages(t), d.freePages(t)
+			got := runAll(t, l.url, ws, 16)
+			compare(t, tc.name, ws, want, got)
+
+			openAIThroughLB(t, l)
+			pm, dm, lm := p.metrics(t), d.metrics(t), l.metrics(t)
+			if v := dm["mooncake_engine_prefill_tokens_total"]; v != 0 {
+				t.Errorf("decode computed %v prompt tokens; disaggregated requests must not be recomputed", v)
+			}
+			if v := pm["mooncake_engine_prefill_tokens_total"]; v == 0 {
+				t.Errorf("prefill computed no prompt tokens")
+			}
+			other := map[string]string{"shm": "tcp", "tcp": "shm"}[tc.transport]
+			if v := pm[`mooncake_transfer_bytes_total{op="write",transport="`+tc.transport+`"}`]; v == 0 {
+				t.Errorf("prefill moved no bytes over %s; metrics: %v", tc.transport, grep(pm, "mooncake_transfer_bytes"))
+			}
+			if v := pm[`mooncake_transfer_bytes_total{op="write",transport="`+other+`"}`]; v != 0 {
+				t.Errorf("prefill moved %v bytes over %s, want only %s", v, other, tc.transport)
+			}
+			n := len(ws) + 4 // and the OpenAI requests
+			if v := lm[`mooncake_lb_requests_total{code="200"}`]; int(v) != n {
+				t.Errorf("LB counted %v requests with code 200, want %d", v, n)
+			}
+			if v := dm[`mooncake_disagg_requests_total{mode="decode",result="success"}`]; int(v) != n {
+				t.Errorf("decode counted %v successful rooms, want %d", v, n)
+			}
+			// The prefill counts a room after decode acknowledged its
+			// notification, which may be after the client got its answer.
+			p.waitMetric(t, `mooncake_disagg_requests_total{mode="prefill",result="success"}`, 5*time.Second,
+				func(v float64) bool { return int(v) == n })
+			p.waitFreePages(t, pFree, 5*time.Second)
+			d.waitFreePages(t, dFree, 5*time.Second)
+		})
+	}
+
+	t.Run("2P2D", func(t *testing.T) {
+		// Two prefill servers on one node: bootstrap port 0 each.
+		p1 := serve(t, serveOpts{name: "prefill1", mode: "prefill", args: args})
+		p2 := serve(t, serveOpts{name: "prefill2", mode: "prefill", args: args})
+		d1 := serve(t, serveOpts{name: "decode1", mode: "decode", args: args})
+		d2 := serve(t, serveOpts{name: "decode2", mode: "decode", args: args})
+		b1, b2 := p1.info(t)["bootstrap_port"], p2.info(t)["bootstrap_port"]
+		if b1 == nil || b1 == b2 {
+			t.Fatalf("prefill bootstrap ports %v and %v: want two distinct ports", b1, b2)
+		}
+		// Policy random: round_robin shares one counter between the roles,
+		// so with two of each it pairs prefill1 with decode2 only (see the
+		// report on internal/lb).
+		l := lb(t, "lb", []*server{p1, p2}, []*server{d1, d2})
+		got := runAll(t, l.url, ws, 16)
+		compare(t, "2P2D", ws, want, got)
+		for _, s := range []*server{p1, p2, d1, d2} {
+			mode := "decode"
+			if strings.HasPrefix(s.name, "prefill") {
+				mode = "prefill"
+			}
+			if v := s.metric(t, `mooncake_disagg_requests_total{mode="`+mode+`",result="success"}`); v == 0 {
+				t.Errorf("%s served no disaggregated request", s.name)
+			}
+			if strings.HasPrefix(s.name, "decode") {
+				if v := s.metric(t, "mooncake_engine_prefill_tokens_total"); v != 0 {
+					t.Errorf("%s computed %v prompt tokens", s.name, v)
+				}
+			}
+			s.waitFreePages(t, int(s.info(t)["kv_pages_total"].(float64)), 5*time.Second)
+		}
+		if v := l.metric(t, `mooncake_lb_requests_total{code="200"}`); int(v) != len(ws) {
+			t.Errorf("LB counted %v requests with code 200, want %d", v, len(ws))
+		}
+	})
+}
+
+// grep returns the series whose name starts with prefix.
+func grep(m map[string]float64, prefix string) map[string]float64 {
+	out := map[string]float64{}
+	for k, v := range m {
+		if strings.HasPrefix(k, prefix) {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+// openAIThroughLB sends /v1/completions and /v1/chat/completions, plain and
+// streamed, through the LB: 4 disaggregated requests.
+func openAIThroughLB(t *testing.T, l *server) {
+	t.Helper()
+	for _, ep := range []string{"/v1/completions", "/v1/chat/completions"} {
+		for _, stream := range []bool{false, true} {
+			body := map[string]any{"model": "stories260K", "max_tokens": 16, "temperature": 0, "stream": stream}
+			if ep == "/v1/completions" {
+				body["prompt"] = "Once upon a time"
+			} else {
+				body["messages"] = []map[string]string{{"role": "user", "content": "Tell me a story"}}
+			}
+			b, _ := json.Marshal(body)
+			resp, err := client.Post(l.url+ep, "application/json", strings.NewReader(string(b)))
+			if err != nil {
+				t.Fatalf("%s: %v", ep, err)
+			}
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				t.Fatalf("%s (stream %v) through the LB: %d %s", ep, stream, resp.StatusCode, raw)
+			}
+			if stream && !strings.Contains(string(raw), "data: [DONE]") {
+				t.Fatalf("%s stream through the LB has no [DONE]: %s", ep, raw)
+			}
+			if !stream && !strings.Contains(string(raw), `"choices"`) {
+				t.Fatalf("%s through the LB: no choices: %s", ep, raw)
+			}
+		}
+	}
+}
