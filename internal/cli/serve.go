@@ -339,7 +339,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			if b.Host == "" || b.Port == 0 {
 				return &server.Error{Status: 400, Message: "bootstrap_host and bootstrap_port are required on a decode server"}
 			}
-			return d.Prepare(ctx, req, b.Host, b.Port, b.Room)
+			return httpStatus(d.Prepare(ctx, req, b.Host, b.Port, b.Room))
 		}
 	}
 	srv, err := server.New(server.Config{
@@ -362,4 +362,17 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
+}
+
+// httpStatus gives decode-side disaggregation errors their HTTP status.
+func httpStatus(err error) error {
+	for _, m := range []struct {
+		err  error
+		code int
+	}{{disagg.ErrKVTimeout, 504}, {disagg.ErrPoolFull, 503}, {disagg.ErrPrefillUnreachable, 502}} {
+		if errors.Is(err, m.err) {
+			return &server.Error{Status: m.code, Message: err.Error(), Err: err}
+		}
+	}
+	return err
 }

@@ -212,17 +212,17 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			switch {
 			case herr == nil && inc != info.Incarnation:
 				releaseAll() // a restarted prefill will never write into these pages
-				return fmt.Errorf("prefill %s restarted (incarnation %s, was %s)", boot, inc, info.Incarnation)
+				return fmt.Errorf("%w: %s restarted (incarnation %s, was %s)", ErrPrefillUnreachable, boot, inc, info.Incarnation)
 			case herr != nil && wctx.Err() == nil:
 				if misses++; misses >= 2 {
 					releaseAll()
-					return fmt.Errorf("prefill bootstrap server %s unreachable: %w", boot, herr)
+					return fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, boot, herr)
 				}
 			default:
 				misses = 0
 			}
 		case <-wctx.Done():
-			why := fmt.Errorf("KV for room %d did not arrive within %v", room, d.cfg.Timeout)
+			why := fmt.Errorf("%w: KV for room %d did not arrive within %v", ErrKVTimeout, room, d.cfg.Timeout)
 			if ctx.Err() != nil {
 				why = fmt.Errorf("request aborted while waiting for KV: %w", ctx.Err())
 			}
@@ -257,7 +257,7 @@ func (d *Decode) allocPages(ctx context.Context, n int) ([]int32, error) {
 		}
 		select {
 		case <-ctx.Done():
-			return nil, fmt.Errorf("decode KV pool stayed full: %w", err)
+			return nil, fmt.Errorf("%w: %w", ErrPoolFull, err)
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
@@ -268,7 +268,7 @@ func (d *Decode) prefillInfo(ctx context.Context, boot string) (Info, error) {
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, boot+"/bootstrap/info", nil)
 	resp, err := d.client.Do(req)
 	if err != nil {
-		return info, fmt.Errorf("prefill bootstrap server %s unreachable: %w", boot, err)
+		return info, fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, boot, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != 200 {

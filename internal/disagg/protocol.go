@@ -19,10 +19,19 @@ package disagg
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+)
+
+// Errors a decode-side Prepare wraps, so a server can answer with a
+// fitting status.
+var (
+	ErrKVTimeout          = errors.New("disagg: KV wait timed out")          // 504
+	ErrPoolFull           = errors.New("disagg: decode KV pool stayed full") // 503
+	ErrPrefillUnreachable = errors.New("disagg: prefill server unreachable") // 502
 )
 
 // State is a room's progress.

@@ -13,6 +13,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -64,7 +65,7 @@ type LB struct {
 	prefill []*backend
 	decode  []*backend
 	client  *http.Client
-	rr      atomic.Uint64
+	rr      map[string]*atomic.Uint64 // round-robin position per role
 	m       *metrics
 	ready   chan struct{}
 	once    sync.Once
@@ -89,6 +90,7 @@ func New(cfg Config) (*LB, error) {
 		lg = zap.NewNop()
 	}
 	l := &LB{cfg: cfg, lg: lg.Named("lb"), m: newMetrics(cfg.Registerer), ready: make(chan struct{}),
+		rr: map[string]*atomic.Uint64{"prefill": new(atomic.Uint64), "decode": new(atomic.Uint64)},
 		client: &http.Client{Transport: &http.Transport{
 			MaxIdleConnsPerHost: 256, IdleConnTimeout: 90 * time.Second,
 			DialContext: (&net.Dialer{Timeout: 3 * time.Second}).DialContext,
@@ -170,7 +172,7 @@ func (l *LB) pick(bs []*backend) *backend {
 	}
 	switch l.cfg.Policy {
 	case "round_robin":
-		return ok[int(l.rr.Add(1)-1)%len(ok)]
+		return ok[int(l.rr[ok[0].role].Add(1)-1)%len(ok)]
 	case "least_load":
 		best := ok[0]
 		for _, b := range ok[1:] {
@@ -311,33 +313,41 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	}
 	pc, dc := send(p), send(d)
 	// Drain the prefill answer; if it fails before decode answers, report it.
-	prefillFailed := make(chan []byte, 1)
+	type failure struct {
+		code int
+		body []byte
+	}
+	prefillFailed := make(chan failure, 1)
 	go func() {
 		res := <-pc
 		if res.err != nil {
 			if ctx.Err() == nil {
-				prefillFailed <- errorBody(fmt.Sprintf("prefill server %s: %v", p, res.err))
+				prefillFailed <- failure{http.StatusBadGateway, errorBody(fmt.Sprintf("prefill server %s: %v", p, res.err))}
 			}
 			return
 		}
 		defer res.resp.Body.Close()
 		b, _ := io.ReadAll(io.LimitReader(res.resp.Body, 1<<20))
 		if res.resp.StatusCode >= 400 {
-			prefillFailed <- b
+			code := res.resp.StatusCode // a 4xx is the client's error: pass it on
+			if code >= 500 {
+				code = http.StatusBadGateway
+			}
+			prefillFailed <- failure{code, b}
 		}
 	}()
 	var dres result
 	select {
 	case dres = <-dc:
-	case b := <-prefillFailed:
+	case f := <-prefillFailed:
 		cancel()
-		lg.Warn("prefill failed; decode request canceled", zap.ByteString("error", b))
-		return writeRaw(w, http.StatusBadGateway, b)
+		lg.Warn("prefill failed; decode request canceled", zap.Int("code", f.code), zap.ByteString("error", f.body))
+		return writeRaw(w, f.code, f.body)
 	}
 	if dres.err != nil {
 		select {
-		case b := <-prefillFailed:
-			return writeRaw(w, http.StatusBadGateway, b)
+		case f := <-prefillFailed:
+			return writeRaw(w, f.code, f.body)
 		default:
 		}
 		lg.Warn("decode request failed", zap.Error(dres.err))
@@ -358,11 +368,23 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 				fl.Flush()
 			}
 		}
-		if err != nil {
-			break
+		if err == nil {
+			continue
 		}
+		if err != io.EOF && r.Context().Err() == nil {
+			// The decode server died mid-response. A stream ends with an
+			// error event and no [DONE], as the HTTP contract says.
+			lg.Warn("decode response broke off", zap.Error(err))
+			if strings.HasPrefix(dres.resp.Header.Get("Content-Type"), "text/event-stream") {
+				fmt.Fprintf(w, "data: %s\n\n", errorBody(fmt.Sprintf("decode server %s failed mid-stream: %v", d, err)))
+				if fl != nil {
+					fl.Flush()
+				}
+			}
+			return http.StatusBadGateway
+		}
+		return dres.resp.StatusCode
 	}
-	return dres.resp.StatusCode
 }
 
 func copyHeader(dst, src http.Header) {

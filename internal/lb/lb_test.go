@@ -159,7 +159,7 @@ func TestPrefillErrorCancelsDecode(t *testing.T) {
 	_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}})
 	start := time.Now()
 	code, body := post(t, srv.URL+"/generate", `{"text":""}`)
-	if code != http.StatusBadGateway || !strings.Contains(body, "prompt is empty") {
+	if code != http.StatusBadRequest || !strings.Contains(body, "prompt is empty") {
 		t.Fatalf("got %d %q", code, body)
 	}
 	if time.Since(start) > 5*time.Second {
@@ -215,5 +215,43 @@ func TestBadInput(t *testing.T) {
 		if _, err := New(c); err == nil || !strings.Contains(err.Error(), "--") {
 			t.Fatalf("config %+v: error %v does not name the flag", c, err)
 		}
+	}
+}
+
+func TestRoundRobinPerRole(t *testing.T) {
+	p1, p2 := newFake(t, "prefill"), newFake(t, "prefill")
+	d1, d2 := newFake(t, "decode"), newFake(t, "decode")
+	_, srv, _ := startLB(t, Config{Prefill: []string{p1.URL, p2.URL}, Decode: []string{d1.URL, d2.URL}, Policy: "round_robin"})
+	for i := 0; i < 4; i++ {
+		if code, _ := post(t, srv.URL+"/generate", `{"text":"x"}`); code != 200 {
+			t.Fatalf("request %d: %d", i, code)
+		}
+	}
+	for _, f := range []*fakeServer{p1, p2, d1, d2} {
+		if f.count() != 2 {
+			t.Fatalf("%s %s got %d of 4 requests, want 2", f.mode, f.URL, f.count())
+		}
+	}
+}
+
+func TestDecodeDiesMidStream(t *testing.T) {
+	p := newFake(t, "prefill")
+	d := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/health":
+			return
+		case "/generate":
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.Write([]byte("data: {\"text\":\"a\"}\n\n"))
+			w.(http.Flusher).Flush()
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close() // dies mid-stream
+		}
+	}))
+	defer d.Close()
+	_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}})
+	_, body := post(t, srv.URL+"/generate", `{"text":"x","stream":true}`)
+	if !strings.Contains(body, `data: {"error"`) || strings.Contains(body, "[DONE]") {
+		t.Fatalf("stream after decode death: %q", body)
 	}
 }
