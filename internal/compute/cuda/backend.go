@@ -1,0 +1,344 @@
+// Package cuda is the CUDA backend of compute.Model: the Llama forward pass
+// on one NVIDIA GPU, with weights in bf16 (or f32 for exactness checks), the
+// KV cache in a paged pool in GPU memory (one VMM allocation that can be
+// exported to another process), GEMMs through cuBLAS and the other kernels
+// (csrc/llama/*.cu) compiled at start by NVRTC for the device found.
+//
+// All GPU work runs on the context's legacy default stream; Forward calls are
+// serialised and lock their goroutine to an OS thread (cuBLAS uses the
+// thread's current context).
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"runtime"
+	"sync"
+
+	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/cublas"
+	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+	"github.com/mooncake-go/mooncake-go/internal/model"
+)
+
+var _ compute.Model = (*Backend)(nil)
+
+// Options configure a Backend. Zero values: GPU 0, bfloat16, 64-token pages,
+// pages sized from MemFraction (0.85 of the GPU's memory for weights and KV),
+// cuBLAS GEMMs, weights from the model.
+type Options struct {
+	Device   int
+	DType    string // "bfloat16" (default) or "float32" (no TF32 anywhere)
+	PageSize int    // tokens per KV page
+	Pages    int    // KV pool pages; 0: sized from MemFraction
+	// MemFraction is SGLang's mem-fraction-static: the share of the GPU's
+	// total memory for weights + KV pool, used when Pages is 0.
+	MemFraction float64
+	// BatchInvariant runs the GEMMs with this package's own kernels (fixed
+	// k order per output element, whatever the batch) instead of cuBLAS,
+	// whose kernel choice depends on the token count. Slower.
+	BatchInvariant bool
+	// RandomWeights makes seeded random weights on the GPU (uniform, std
+	// 0.02; norms 1) instead of uploading m.W, which may then be nil: for
+	// benchmarks of large shapes.
+	RandomWeights bool
+	Seed          int64
+	// NoFlashPrefill sends prefill chunks through the split-K kernel instead
+	// of the tensor-core flash-attention kernel (for tests).
+	NoFlashPrefill bool
+	KernelCache    cu.KernelsConfig
+	Logger         *zap.Logger // nil: no logs
+
+	tune tuning
+}
+
+// Validate reports options that cannot work.
+func (o *Options) Validate() error {
+	switch o.DType {
+	case "", "auto", "bfloat16", "float32":
+	default:
+		return fmt.Errorf("cuda backend: dtype %q not supported (bfloat16 or float32)", o.DType)
+	}
+	if o.PageSize < 0 || o.Pages < 0 || o.Device < 0 {
+		return fmt.Errorf("cuda backend: negative device, page size or pages")
+	}
+	if o.MemFraction < 0 || o.MemFraction > 1 {
+		return fmt.Errorf("cuda backend: mem fraction %g outside [0, 1]", o.MemFraction)
+	}
+	return nil
+}
+
+// LayoutFor is the KV pool layout the CUDA backend uses for cfg.
+func LayoutFor(cfg model.Config, dtype string, pageSize, pages int) kvcache.Layout {
+	eb := 2
+	if dtype == "float32" {
+		eb = 4
+	}
+	return kvcache.Layout{Layers: cfg.Layers, PageSize: pageSize, KVHeads: cfg.KVHeads,
+		HeadDim: cfg.HeadDim, ElemBytes: eb, Pages: pages}
+}
+
+// Backend runs a model on one GPU.
+type Backend struct {
+	cfg    model.Config
+	opts   Options
+	bf16   bool
+	eb     int // bytes per element of T
+	lg     *zap.Logger
+	dev    cu.Device
+	cx     *cu.Context
+	blas   *cublas.Handle
+	mod    *cu.Module
+	fn     kernels
+	w      devWeights
+	layout kvcache.Layout
+	kvPool *cu.Pool     // VMM pool (nil when the fallback allocation is used)
+	kvBase cu.DevicePtr // KV pool base address
+	kvSize uint64
+	kvOwn  bool // kvBase from MemAlloc
+	flash  bool // tensor-core prefill attention available
+	rope   cu.DevicePtr
+	allocs []cu.DevicePtr
+	s      scratch
+	mu     sync.Mutex
+	closed bool
+}
+
+// New loads m onto GPU opts.Device. Errors from a missing driver wrap
+// cuda.ErrNoDriver (or cuda.ErrNoDevice); a missing cuBLAS wraps
+// cublas.ErrNoLibrary; a missing NVRTC wraps cuda.ErrNoNVRTC.
+func New(m *model.Model, opts Options) (_ *Backend, err error) {
+	if m == nil {
+		return nil, errors.New("cuda backend: no model")
+	}
+	if err := opts.Validate(); err != nil {
+		return nil, err
+	}
+	c := m.Config
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	if c.HeadDim%8 != 0 {
+		return nil, fmt.Errorf("cuda backend: head dim %d is not a multiple of 8", c.HeadDim)
+	}
+	if !opts.RandomWeights && m.W == nil {
+		return nil, errors.New("cuda backend: model has no weights (and RandomWeights is off)")
+	}
+	if opts.DType == "" || opts.DType == "auto" {
+		opts.DType = "bfloat16"
+	}
+	if opts.PageSize == 0 {
+		opts.PageSize = 64
+	}
+	if opts.MemFraction == 0 {
+		opts.MemFraction = 0.85
+	}
+	b := &Backend{cfg: c, opts: opts, bf16: opts.DType == "bfloat16", lg: opts.Logger}
+	if b.lg == nil {
+		b.lg = zap.NewNop()
+	}
+	b.eb = 4
+	if b.bf16 {
+		b.eb = 2
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if b.dev, err = cu.GetDevice(opts.Device); err != nil {
+		return nil, fmt.Errorf("cuda backend: GPU %d: %w", opts.Device, err)
+	}
+	if b.cx, err = b.dev.Retain(); err != nil {
+		return nil, fmt.Errorf("cuda backend: GPU %d: %w", opts.Device, err)
+	}
+	defer func() {
+		if err != nil {
+			b.release()
+		}
+	}()
+	if err = b.cx.SetCurrent(); err != nil {
+		return nil, err
+	}
+	if b.blas, err = cublas.Create(); err != nil {
+		return nil, fmt.Errorf("cuda backend: %w", err)
+	}
+	if err = b.blas.SetStream(0); err != nil {
+		return nil, err
+	}
+	if !b.bf16 {
+		// Pedantic math: no TF32, no reduced-precision reductions.
+		if err = b.blas.SetMathMode(cublas.PedanticMath); err != nil {
+			return nil, err
+		}
+	}
+	if err = b.loadKernels(); err != nil {
+		return nil, err
+	}
+	if err = b.uploadWeights(m); err != nil {
+		return nil, err
+	}
+	if err = b.allocKV(); err != nil {
+		return nil, err
+	}
+	if err = b.cx.Synchronize(); err != nil {
+		return nil, fmt.Errorf("cuda backend: after loading: %w", err)
+	}
+	return b, nil
+}
+
+// allocKV sizes and allocates the KV pool: a shareable VMM pool from
+// internal/cuda, or plain cuMemAlloc memory when VMM fails.
+func (b *Backend) allocKV() error {
+	c := &b.cfg
+	pages := b.opts.Pages
+	l := LayoutFor(*c, b.opts.DType, b.opts.PageSize, 1)
+	perPage := uint64(l.TotalBytes())
+	if pages == 0 {
+		_, total, err := b.cx.MemGetInfo()
+		if err != nil {
+			return err
+		}
+		free, _, err := b.cx.MemGetInfo()
+		if err != nil {
+			return err
+		}
+		budget := int64(float64(total)*b.opts.MemFraction) - b.w.bytes - scratchReserve(c, b.eb)
+		budget = min(budget, int64(free)-scratchReserve(c, b.eb))
+		if budget < int64(perPage) {
+			return fmt.Errorf("cuda backend: no room for a KV pool: %.2f GiB total, fraction %g, weights %.2f GiB",
+				float64(total)/(1<<30), b.opts.MemFraction, float64(b.w.bytes)/(1<<30))
+		}
+		pages = int(uint64(budget) / perPage)
+	}
+	b.layout = LayoutFor(*c, b.opts.DType, b.opts.PageSize, pages)
+	if err := b.layout.Validate(); err != nil {
+		return err
+	}
+	size := uint64(b.layout.TotalBytes())
+	pool, err := b.cx.NewPool(cu.PoolConfig{Size: size, Logger: b.lg})
+	if err == nil {
+		b.kvPool, b.kvBase, b.kvSize = pool, pool.Ptr(), pool.Size()
+		b.lg.Info("KV pool", zap.Int("pages", pages), zap.Uint64("bytes", b.kvSize), zap.Stringer("handles", pool.HandleType()))
+		return nil
+	}
+	if errors.Is(err, cu.ErrOutOfMemory) {
+		return fmt.Errorf("cuda backend: KV pool of %d pages: %w", pages, err)
+	}
+	b.lg.Warn("VMM KV pool failed, using cuMemAlloc (not shareable through VMM handles)", zap.Error(err))
+	p, aerr := b.cx.MemAlloc(size)
+	if aerr != nil {
+		return fmt.Errorf("cuda backend: KV pool of %d pages: %w", pages, errors.Join(err, aerr))
+	}
+	b.kvBase, b.kvSize, b.kvOwn = p, size, true
+	return nil
+}
+
+// scratchReserve is what the activations of a large prefill chunk need.
+func scratchReserve(c *model.Config, eb int) int64 {
+	return 1<<30 + int64(8192)*int64(2*c.HiddenDim+c.Heads*c.HeadDim*3)*int64(eb+4)
+}
+
+// Config is the model's configuration.
+func (b *Backend) Config() model.Config { return b.cfg }
+
+// Layout is the KV pool's layout.
+func (b *Backend) Layout() kvcache.Layout { return b.layout }
+
+// DType is "bfloat16" or "float32".
+func (b *Backend) DType() string { return b.opts.DType }
+
+// Context is the GPU context the backend runs in.
+func (b *Backend) Context() *cu.Context { return b.cx }
+
+// KVBase is the device address of the KV pool (offsets of Layout apply).
+func (b *Backend) KVBase() cu.DevicePtr { return b.kvBase }
+
+// KVSize is the KV pool's size in bytes (at least Layout().TotalBytes()).
+func (b *Backend) KVSize() uint64 { return b.kvSize }
+
+// KVPool is the VMM pool holding the KV cache, for export to the transfer
+// engine; nil when the pool fell back to cuMemAlloc (then use
+// Context().ExportIPC(KVBase())).
+func (b *Backend) KVPool() *cu.Pool { return b.kvPool }
+
+// WeightBytes is the size of the weights on the GPU.
+func (b *Backend) WeightBytes() int64 { return b.w.bytes }
+
+// Close frees the GPU memory and releases the context.
+func (b *Backend) Close() error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil
+	}
+	b.closed = true
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	return b.release()
+}
+
+func (b *Backend) release() error {
+	if b.cx == nil {
+		return nil
+	}
+	var errs []error
+	b.cx.SetCurrent()
+	errs = append(errs, b.cx.Synchronize())
+	b.s.free(b)
+	for _, p := range b.allocs {
+		errs = append(errs, b.cx.MemFree(p))
+	}
+	b.allocs = nil
+	if b.kvPool != nil {
+		errs = append(errs, b.kvPool.Close())
+	} else if b.kvOwn {
+		errs = append(errs, b.cx.MemFree(b.kvBase))
+	}
+	if b.mod != nil {
+		errs = append(errs, b.mod.Unload())
+	}
+	if b.blas != nil {
+		errs = append(errs, b.blas.Destroy())
+	}
+	errs = append(errs, b.cx.Release())
+	b.cx = nil
+	return errors.Join(errs...)
+}
+
+// alloc allocates device memory owned until Close.
+func (b *Backend) alloc(n uint64) (cu.DevicePtr, error) {
+	p, err := b.cx.MemAlloc(max(n, 256))
+	if err != nil {
+		return 0, err
+	}
+	b.allocs = append(b.allocs, p)
+	return p, nil
+}
+
+// invFreq is RoPE's inverse frequency per pair, with llama3 scaling, as the
+// CPU backend computes it.
+func invFreq(c *model.Config) []float64 {
+	half := c.HeadDim / 2
+	f := make([]float64, half)
+	for i := range f {
+		f[i] = 1 / math.Pow(c.RopeTheta, float64(2*i)/float64(c.HeadDim))
+	}
+	if s := c.RopeScaling; s != nil && s.Type == "llama3" {
+		lowWavelen := float64(s.OriginalMaxPositionEmbeddings) / s.LowFreqFactor
+		highWavelen := float64(s.OriginalMaxPositionEmbeddings) / s.HighFreqFactor
+		for i, x := range f {
+			wavelen := 2 * math.Pi / x
+			switch {
+			case wavelen < highWavelen:
+			case wavelen > lowWavelen:
+				f[i] = x / s.Factor
+			default:
+				smooth := (float64(s.OriginalMaxPositionEmbeddings)/wavelen - s.LowFreqFactor) / (s.HighFreqFactor - s.LowFreqFactor)
+				f[i] = (1-smooth)*x/s.Factor + smooth*x
+			}
+		}
+	}
+	return f
+}

@@ -1,0 +1,192 @@
+package cuda
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/mooncake-go/mooncake-go/internal/compute"
+	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/internal/model"
+)
+
+// readBandwidth measures HBM read bandwidth (bytes/s) with the read_bw
+// kernel over a buffer of n bytes (random contents), median of reps.
+func (b *Backend) readBandwidth(n uint64, reps int) (float64, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	p, err := b.cx.MemAlloc(n)
+	if err != nil {
+		return 0, err
+	}
+	defer b.cx.MemFree(p)
+	sink, err := b.cx.MemAlloc(256)
+	if err != nil {
+		return 0, err
+	}
+	defer b.cx.MemFree(sink)
+	if err := b.fill(b.fn.fillF, p, n/4, 99, 1, 0); err != nil {
+		return 0, err
+	}
+	st := b.cx.DefaultStream()
+	e0, _ := b.cx.NewEvent(cu.EventDefault)
+	e1, _ := b.cx.NewEvent(cu.EventDefault)
+	defer e0.Destroy()
+	defer e1.Destroy()
+	sms, _ := b.cx.MultiprocessorCount()
+	var ts []float64
+	for i := 0; i < reps+1; i++ {
+		e0.Record(st)
+		if err := st.Launch(b.fn.readBW, cu.D1(uint32(sms*8)), cu.D1(512), 0, p, int64(n/16), sink); err != nil {
+			return 0, err
+		}
+		e1.Record(st)
+		if err := e1.Synchronize(); err != nil {
+			return 0, err
+		}
+		ms, err := cu.ElapsedMs(e0, e1)
+		if err != nil {
+			return 0, err
+		}
+		if i > 0 {
+			ts = append(ts, float64(ms))
+		}
+	}
+	slices.Sort(ts)
+	return float64(n) / (ts[len(ts)/2] / 1e3), nil
+}
+
+func median(f func() error, warm, reps int) (time.Duration, error) {
+	for i := 0; i < warm; i++ {
+		if err := f(); err != nil {
+			return 0, err
+		}
+	}
+	var ds []time.Duration
+	for i := 0; i < reps; i++ {
+		t0 := time.Now()
+		if err := f(); err != nil {
+			return 0, err
+		}
+		ds = append(ds, time.Since(t0))
+	}
+	slices.Sort(ds)
+	return ds[len(ds)/2], nil
+}
+
+// TestBench8B times the llama3-8b shape (random bf16 weights made on the
+// GPU): prefill of 1K/4K/8K tokens, decode steps at batch 1 and 32 with 1K
+// of context, against the floor of reading weights + KV once at the HBM read
+// bandwidth measured here. Runs only with MOONCAKE_BENCH=1.
+func TestBench8B(t *testing.T) {
+	if os.Getenv("MOONCAKE_BENCH") == "" {
+		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
+	}
+	cfg, err := model.RandomConfig("llama3-8b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lines []string
+	for _, v := range []struct {
+		name string
+		tu   tuning
+	}{
+		{"split256", tuning{}},
+		{"split128", tuning{split: 128, threads: 256}},
+	} {
+		t.Run(v.name, func(t *testing.T) {
+			lines = append(lines, "variant "+v.name+fmt.Sprintf(" %+v", v.tu))
+			lines = append(lines, bench8B(t, cfg, v.tu)...)
+		})
+	}
+	if d := os.Getenv("BENCH_OUT"); d != "" {
+		f, err := os.Create(d)
+		if err == nil {
+			for _, l := range lines {
+				fmt.Fprintln(f, l)
+			}
+			f.Close()
+		}
+	}
+}
+
+func bench8B(t *testing.T, cfg model.Config, tu tuning) []string {
+	const ps, batch, ctxLen = 64, 32, 1024
+	pagesPer := (8192+64)/ps + 1
+	t0 := time.Now()
+	b := newOrSkip(t, &model.Model{Config: cfg, Random: true}, Options{PageSize: ps, Pages: batch * pagesPer, RandomWeights: true, Seed: 1, tune: tu})
+	defer b.Close()
+	t.Logf("loaded (random bf16 weights on the GPU, %.2f GB; KV pool %.2f GB) in %v; flash prefill %v",
+		float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, time.Since(t0), b.flash)
+	for _, f := range []*cu.Function{b.fn.attnFlash, b.fn.attnSplit, b.fn.ropeKV, b.fn.gemmF32} {
+		if f == nil {
+			continue
+		}
+		regs, _ := f.Attribute(cu.FuncAttrNumRegs)
+		local, _ := f.Attribute(cu.FuncAttrLocalSizeBytes)
+		shared, _ := f.Attribute(cu.FuncAttrSharedSizeBytes)
+		t.Logf("kernel %s: %d registers, %d bytes local (spills), %d bytes shared", f.Name, regs, local, shared)
+	}
+	bw, err := b.readBandwidth(4<<30, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	V := cfg.Vocab
+	r := rand.New(rand.NewPCG(1, 1))
+	out := make([][]float32, batch)
+	for i := range out {
+		out[i] = make([]float32, V)
+	}
+	var lines []string
+	add := func(f string, a ...any) {
+		s := fmt.Sprintf(f, a...)
+		lines = append(lines, s)
+		t.Log(s)
+	}
+	add("HBM read bandwidth: %.0f GB/s (4 GiB, median of 10)", bw/1e9)
+	nonEmbed := 2.0 * float64(cfg.Layers) * float64(cfg.Dim*(cfg.Heads*cfg.HeadDim+2*cfg.KVHeads*cfg.HeadDim)+cfg.Heads*cfg.HeadDim*cfg.Dim+3*cfg.Dim*cfg.HiddenDim)
+	for _, L := range []int{1024, 4096, 8192} {
+		seq := []compute.Seq{{Tokens: randPrompt(r, L, V), Pos: 0, Pages: pagesFor(0, pagesPer), Logits: true}}
+		d, err := median(func() error { return b.Forward(ctx, seq, out[:1]) }, 1, 3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		attn := 4 * float64(L) * float64(L) / 2 * float64(cfg.HeadDim*cfg.Heads*cfg.Layers)
+		fl := nonEmbed*float64(L) + attn
+		add("prefill %5d tokens: %8.2f ms  (%.0f TFLOP/s counted; PyTorch peer 31/125/262 ms at 1K/4K/8K)", L, ms(d), fl/d.Seconds()/1e12)
+	}
+	kvTok := float64(cfg.Layers * 2 * cfg.KVHeads * cfg.HeadDim * 2)
+	for i := 0; i < batch; i++ {
+		seq := []compute.Seq{{Tokens: randPrompt(r, ctxLen, V), Pos: 0, Pages: pagesFor(i, pagesPer)}}
+		if err := b.Forward(ctx, seq, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, bs := range []int{1, batch} {
+		seqs := make([]compute.Seq, bs)
+		for i := range seqs {
+			seqs[i] = compute.Seq{Tokens: []int32{int32(r.IntN(V))}, Pos: ctxLen, Pages: pagesFor(i, pagesPer), Logits: true}
+		}
+		full, err := median(func() error { return b.Forward(ctx, seqs, out[:bs]) }, 3, 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		dev, err := median(func() error { return b.forwardOpt(ctx, seqs, out[:bs], false) }, 3, 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		floorAll := (float64(b.WeightBytes()) + float64(bs)*float64(ctxLen+1)*kvTok) / bw
+		floorNoEmb := (float64(b.WeightBytes()) - float64(cfg.Vocab*cfg.Dim*2) + float64(bs)*float64(ctxLen+1)*kvTok) / bw
+		add("decode batch %2d ctx %d: %6.2f ms/step with logits to host, %6.2f ms without; floor %.2f ms (weights %.2f GB + KV %.2f GB; %.2f ms without the embedding table) -> %.2fx / %.2fx of floor",
+			bs, ctxLen, ms(full), ms(dev), floorAll*1e3, float64(b.WeightBytes())/1e9, float64(bs)*float64(ctxLen+1)*kvTok/1e9,
+			floorNoEmb*1e3, full.Seconds()/floorAll, dev.Seconds()/floorAll)
+	}
+	return lines
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
