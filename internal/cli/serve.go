@@ -8,7 +8,6 @@ import (
 	"net"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -16,10 +15,8 @@ import (
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 
-	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
 	"github.com/mooncake-go/mooncake-go/internal/disagg"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
-	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 	"github.com/mooncake-go/mooncake-go/internal/server"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
@@ -80,7 +77,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel size (only 1)")
 	fl.IntVar(&f.pageSize, "page-size", 0, "tokens per KV page (default 64 on cpu)")
 	fl.Float64Var(&f.memFraction, "mem-fraction-static", 0, "share of the device memory for weights + KV pool (cuda)")
-	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu; default 32768, at most a quarter of RAM)")
+	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu default: 32768, at most a quarter of RAM; cuda default: from --mem-fraction-static)")
 	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
@@ -105,9 +102,7 @@ func (f *serveFlags) validate() error {
 		return fmt.Errorf("--dtype %q: want auto, float32 or bfloat16", f.dtype)
 	}
 	switch f.device {
-	case "auto", "cpu":
-	case "cuda":
-		return fmt.Errorf("--device cuda: %s", cudaModelUnavailable())
+	case "auto", "cpu", "cuda":
 	default:
 		return fmt.Errorf("--device %q: want auto, cpu or cuda", f.device)
 	}
@@ -136,11 +131,6 @@ func (f *serveFlags) validate() error {
 		return fmt.Errorf("--debug-fault %q: want transfer", f.debugFault)
 	}
 	return nil
-}
-
-// cudaModelUnavailable says why --device cuda cannot run.
-func cudaModelUnavailable() string {
-	return "the CUDA model backend is not in this build yet; use --device cpu"
 }
 
 // loadModel loads the model and its tokenizer from the flags.
@@ -269,33 +259,14 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(teClose.Close)
 
-	ps := f.pageSize
-	if ps == 0 {
-		ps = 64
-	}
-	probe := cpu.LayoutFor(m.Config, ps, 1)
-	tokens := poolTokens(f.maxTotalTokens, int64(probe.TokenBytes())*2*int64(probe.Layers))
-	layout := cpu.LayoutFor(m.Config, ps, (tokens+ps-1)/ps)
-	mem, err := te.AllocHost(ctx, layout.TotalBytes(), 0, transfer.AccessReadWrite)
-	if err != nil {
-		return fmt.Errorf("KV pool of %d bytes: %w", layout.TotalBytes(), err)
-	}
-	st.add(func() error { return te.FreeHost(context.Background(), mem) })
-	pool, err := kvcache.NewPool(layout, mem.Bytes())
+	be, err := newBackend(ctx, f, m, te, lg)
 	if err != nil {
 		return err
 	}
-	threads := f.threads
-	if threads == 0 {
-		threads = runtime.GOMAXPROCS(0)
-	}
-	be, err := cpu.New(m, pool, threads)
-	if err != nil {
-		return err
-	}
-	st.add(be.Close)
+	st.add(func() error { be.shutdown(lg); return nil })
+	layout, ps := be.layout, be.layout.PageSize
 	eng, err := engine.New(engine.Config{
-		Model: be, Pages: pool.Alloc, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
+		Model: be.model, Pages: be.pages, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
 		ChunkedPrefillSize: f.chunked, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
@@ -306,10 +277,10 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	go func() { engDone <- eng.Run(engCtx) }()
 	st.add(func() error { err := eng.Close(); engCancel(); <-engDone; return err })
 
-	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: "float32", Layout: layout,
-		Segment: te.Name(), PoolAddr: mem.Addr(), Incarnation: te.Incarnation()}
+	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: be.dtype, Layout: layout,
+		Segment: te.Name(), PoolAddr: be.poolAddr, Incarnation: te.Incarnation()}
 	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": layout.Pages, "page_size": ps,
-		"device": "cpu", "threads": threads}
+		"device": be.device, "dtype": be.dtype}
 	var prepare func(ctx context.Context, req *engine.Request, b server.Bootstrap) error
 	switch f.mode {
 	case "prefill":
@@ -328,7 +299,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			return pf.Prepare(ctx, req, b.Room)
 		}
 	case "decode":
-		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: pool.Alloc,
+		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages,
 			Timeout: f.disaggTimeout, Logger: lg, Registerer: reg})
 		if err != nil {
 			return err
@@ -343,7 +314,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		}
 	}
 	srv, err := server.New(server.Config{
-		Generator: preloadGuard{eng, pool.Alloc}, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
+		Generator: preloadGuard{eng, be.pages}, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
 		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()

@@ -1,0 +1,75 @@
+package cli
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func run(t *testing.T, args ...string) (string, error) {
+	t.Helper()
+	var out bytes.Buffer
+	g := &globals{out: &out, errw: &out}
+	root := newRoot(g)
+	root.SetArgs(args)
+	err := root.ExecuteContext(context.Background())
+	return out.String(), err
+}
+
+// Bad flags fail at start with an error naming the flag.
+func TestServeFlagErrors(t *testing.T) {
+	for _, c := range []struct {
+		args []string
+		flag string
+	}{
+		{[]string{"--tp-size", "2"}, "--tp-size"},
+		{[]string{"--disaggregation-mode", "both"}, "--disaggregation-mode"},
+		{[]string{"--disaggregation-transfer-backend", "rdma"}, "--disaggregation-transfer-backend rdma"},
+		{[]string{"--disaggregation-transfer-backend", "carrier-pigeon"}, "--disaggregation-transfer-backend"},
+		{[]string{"--device", "tpu"}, "--device"},
+		{[]string{"--dtype", "int4"}, "--dtype"},
+		{[]string{"--mem-fraction-static", "1.5"}, "--mem-fraction-static"},
+		{[]string{"--model-path", "/nonexistent/model"}, "--model-path"},
+		{[]string{"--port", "70000"}, "--port"},
+	} {
+		_, err := run(t, append([]string{"serve", "--log-level", "error"}, c.args...)...)
+		if err == nil || !strings.Contains(err.Error(), c.flag) {
+			t.Errorf("serve %v: error %v does not name %s", c.args, err, c.flag)
+		}
+	}
+}
+
+// --device cuda without a GPU fails at start, naming what is missing.
+func TestServeCUDAWithoutGPU(t *testing.T) {
+	if ok, _ := gpuPresent(); ok {
+		t.Skip("a GPU is present")
+	}
+	_, err := run(t, "serve", "--device", "cuda", "--port", "0", "--log-level", "error")
+	if err == nil || !strings.Contains(err.Error(), "--device cuda") || !strings.Contains(err.Error(), "CUDA driver not found") {
+		t.Fatalf("error %v", err)
+	}
+}
+
+// topo with no GPU prints "no NVIDIA GPU" and the reason, then the host
+// transports, and succeeds.
+func TestTopoWithoutGPU(t *testing.T) {
+	if ok, _ := gpuPresent(); ok {
+		t.Skip("a GPU is present")
+	}
+	out, err := run(t, "topo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(out, "no NVIDIA GPU") || !strings.Contains(out, "same machine  cpu:0   -> cpu:0   shm") ||
+		!strings.Contains(out, "other machine cpu:0   -> cpu:0   tcp") {
+		t.Fatalf("topo printed:\n%s", out)
+	}
+}
+
+func TestLBFlagErrors(t *testing.T) {
+	_, err := run(t, "lb", "--decode", "http://127.0.0.1:1")
+	if err == nil || !strings.Contains(err.Error(), "--prefill") {
+		t.Fatalf("lb without --prefill: %v", err)
+	}
+}
