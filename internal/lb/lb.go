@@ -250,6 +250,10 @@ func (l *LB) proxyGet(w http.ResponseWriter, r *http.Request) {
 	io.Copy(w, resp.Body)
 }
 
+// prefillDrain bounds how long a prefill answer may keep streaming after
+// its request succeeded.
+const prefillDrain = 30 * time.Second
+
 func newRoom() uint64 {
 	var b [8]byte
 	rand.Read(b[:])
@@ -295,13 +299,27 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	defer p.inflight.Add(-1)
 	defer d.inflight.Add(-1)
 
+	// The decode request lives as long as the client's. The prefill request
+	// is canceled with it on every failure path (client gone, decode
+	// failed), but on success it may finish its answer after the decode
+	// stream ended: it is left to drain, bounded.
 	ctx, cancel := context.WithCancel(r.Context())
 	defer cancel()
+	pctx, pcancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	stopP := context.AfterFunc(ctx, pcancel)
+	succeeded := false
+	defer func() {
+		if succeeded && stopP() {
+			time.AfterFunc(prefillDrain, pcancel)
+		} else {
+			pcancel()
+		}
+	}()
 	type result struct {
 		resp *http.Response
 		err  error
 	}
-	send := func(b *backend) chan result {
+	send := func(ctx context.Context, b *backend) chan result {
 		ch := make(chan result, 1)
 		go func() {
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.endpoint(r.URL.Path), bytes.NewReader(body))
@@ -311,7 +329,7 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 		}()
 		return ch
 	}
-	pc, dc := send(p), send(d)
+	pc, dc := send(pctx, p), send(ctx, d)
 	// Drain the prefill answer; if it fails before decode answers, report it.
 	type failure struct {
 		code int
@@ -321,7 +339,7 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	go func() {
 		res := <-pc
 		if res.err != nil {
-			if ctx.Err() == nil {
+			if pctx.Err() == nil {
 				prefillFailed <- failure{http.StatusBadGateway, errorBody(fmt.Sprintf("prefill server %s: %v", p, res.err))}
 			}
 			return
@@ -383,6 +401,7 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 			}
 			return http.StatusBadGateway
 		}
+		succeeded = dres.resp.StatusCode < 400
 		return dres.resp.StatusCode
 	}
 }

@@ -26,19 +26,24 @@ type scratch struct {
 	scores [][]float32 // per thread [positions]
 	lx     []float32   // normed last tokens [m][Dim]
 	logits []float32   // [m][Vocab]
-	want   []int       // seq index of each logits row
 
-	seqs []compute.Seq
-	mm   matJob
-	at   attnJob
-	mmFn func(int)
-	atFn func(int)
+	seqs  []compute.Seq
+	out   [][]float32
+	split []int // sequence-parallel pass: thread k's first sequence,
+	tok0  []int // token
+	row0  []int // and logits row
+	mm    matJob
+	at    attnJob
+	mmFn  func(int)
+	atFn  func(int)
+	seqFn func(int)
 }
 
 func (s *scratch) init(b *Backend) {
 	s.scores = make([][]float32, b.team.n)
 	s.mmFn = s.mm.run
 	s.atFn = func(k int) { b.attentionPart(k) }
+	s.seqFn = func(k int) { b.seqPart(k) }
 }
 
 func grow(buf []float32, n int) []float32 {
@@ -128,7 +133,8 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	b.growScratch(n, maxEnd, m)
 	b.rope.ensure(maxEnd)
 	s.seqs = seqs
-	dim, qd, kvd := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	s.out = out
+	dim, kvd := c.Dim, c.KVHeads*c.HeadDim
 	pageElems := l.PageSize * kvd
 	t := 0
 	for i, sq := range seqs {
@@ -140,77 +146,195 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 			t++
 		}
 	}
-	layerElems := l.Pages * pageElems
+	// Many sequences, none too long: each thread runs whole sequences
+	// through all layers (one hand-off per pass instead of several per
+	// layer). Otherwise every step is split across the threads by rows.
+	// Either way each value is computed by the same kernels in the same
+	// order.
+	if parts := b.seqSplit(seqs, n); parts > 1 {
+		b.team.run(parts, s.seqFn)
+		return ctx.Err()
+	}
 	for li := range b.m.W.Layers {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		w := &b.m.W.Layers[li]
-		for t := 0; t < n; t++ {
-			rmsnorm(s.xb[t*dim:(t+1)*dim], s.x[t*dim:(t+1)*dim], w.AttnNorm, c.NormEps)
-		}
-		s.mm.set(s.xb, n, dim)
-		s.mm.add(w.WQ, qd, s.q, w.BQ)
-		s.mm.add(w.WK, kvd, s.k, w.BK)
-		s.mm.add(w.WV, kvd, s.v, w.BV)
-		b.team.run(s.mm.plan(b.team), s.mmFn)
-		s.mm.bias()
-		kBase := (2 * li) * layerElems
-		vBase := kBase + layerElems
-		for t := 0; t < n; t++ {
-			q := s.q[t*qd : (t+1)*qd]
-			k := s.k[t*kvd : (t+1)*kvd]
-			b.rope.apply(q, c.Heads, s.pos[t])
-			b.rope.apply(k, c.KVHeads, s.pos[t])
-			copy(b.kv[kBase+s.slot[t]:kBase+s.slot[t]+kvd], k)
-			copy(b.kv[vBase+s.slot[t]:vBase+s.slot[t]+kvd], s.v[t*kvd:(t+1)*kvd])
-		}
-		work := 0
-		for t := 0; t < n; t++ {
-			work += (s.pos[t] + 1) * 2 * qd
-		}
-		s.at = attnJob{n: n, kBase: kBase, vBase: vBase, pageElems: pageElems, parts: b.team.parts(work)}
-		b.team.run(s.at.parts, s.atFn)
-		s.mm.set(s.att, n, qd)
-		s.mm.add(w.WO, dim, s.xb2, nil)
-		b.team.run(s.mm.plan(b.team), s.mmFn)
-		addTo(s.x[:n*dim], s.xb2[:n*dim])
+		b.layer(li, 0, n, 0, b.team)
+	}
+	b.logits(0, len(seqs), 0, 0, b.team)
+	return nil
+}
 
-		for t := 0; t < n; t++ {
-			rmsnorm(s.xb[t*dim:(t+1)*dim], s.x[t*dim:(t+1)*dim], w.FFNNorm, c.NormEps)
-		}
-		s.mm.set(s.xb, n, dim)
-		s.mm.add(w.W1, c.HiddenDim, s.hb, nil)
-		s.mm.add(w.W3, c.HiddenDim, s.hb2, nil)
-		b.team.run(s.mm.plan(b.team), s.mmFn)
-		for t := 0; t < n; t++ {
-			siluMul(s.hb[t*c.HiddenDim:(t+1)*c.HiddenDim], s.hb2[t*c.HiddenDim:(t+1)*c.HiddenDim])
-		}
-		s.mm.set(s.hb, n, c.HiddenDim)
-		s.mm.add(w.W2, dim, s.xb2, nil)
-		b.team.run(s.mm.plan(b.team), s.mmFn)
-		addTo(s.x[:n*dim], s.xb2[:n*dim])
+// seqSplit plans a sequence-parallel pass: s.split[k] is thread k's first
+// sequence. It returns the number of parts (1: split by rows instead).
+func (b *Backend) seqSplit(seqs []compute.Seq, n int) int {
+	s := &b.s
+	parts := min(b.team.n, len(seqs))
+	if parts <= 1 || n < 6*parts {
+		return 1
 	}
-	if m == 0 {
-		return nil
+	longest := 0
+	for _, sq := range seqs {
+		longest = max(longest, len(sq.Tokens))
 	}
-	s.want = s.want[:0]
-	t = 0
+	if longest*parts*2 > n {
+		return 1
+	}
+	s.split = s.split[:0]
+	s.tok0 = s.tok0[:0]
+	s.row0 = s.row0[:0]
+	t, r, k := 0, 0, 0
 	for i, sq := range seqs {
+		if t >= n*k/parts && len(s.split) == k {
+			s.split = append(s.split, i)
+			s.tok0 = append(s.tok0, t)
+			s.row0 = append(s.row0, r)
+			k++
+		}
 		t += len(sq.Tokens)
 		if sq.Logits {
-			r := len(s.want)
-			rmsnorm(s.lx[r*dim:(r+1)*dim], s.x[(t-1)*dim:t*dim], b.m.W.Norm, c.NormEps)
-			s.want = append(s.want, i)
+			r++
 		}
 	}
-	s.mm.set(s.lx, m, dim)
-	s.mm.add(b.m.W.LMHead, c.Vocab, s.logits, nil)
-	b.team.run(s.mm.plan(b.team), s.mmFn)
-	for r, i := range s.want {
-		copy(out[i][:c.Vocab], s.logits[r*c.Vocab:(r+1)*c.Vocab])
+	for len(s.split) < parts+1 {
+		s.split = append(s.split, len(seqs))
+		s.tok0 = append(s.tok0, t)
+		s.row0 = append(s.row0, r)
 	}
-	return nil
+	return parts
+}
+
+// seqPart is thread k's share of a sequence-parallel pass.
+func (b *Backend) seqPart(k int) {
+	s := &b.s
+	t0, t1 := s.tok0[k], s.tok0[k+1]
+	if t0 == t1 {
+		return
+	}
+	for li := range b.m.W.Layers {
+		b.layer(li, t0, t1, k, nil)
+	}
+	b.logits(s.split[k], s.split[k+1], t0, s.row0[k], nil)
+}
+
+// layer runs layer li for tokens [t0, t1): split across tm, or all on
+// thread k when tm is nil.
+func (b *Backend) layer(li, t0, t1, k int, tm *team) {
+	c := &b.cfg
+	l := &b.pool.Layout
+	s := &b.s
+	w := &b.m.W.Layers[li]
+	n := t1 - t0
+	dim, qd, kvd, hd := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
+	x := s.x[t0*dim : t1*dim]
+	xb := s.xb[t0*dim : t1*dim]
+	xb2 := s.xb2[t0*dim : t1*dim]
+	q := s.q[t0*qd : t1*qd]
+	kk := s.k[t0*kvd : t1*kvd]
+	v := s.v[t0*kvd : t1*kvd]
+	att := s.att[t0*qd : t1*qd]
+	hb := s.hb[t0*hd : t1*hd]
+	hb2 := s.hb2[t0*hd : t1*hd]
+	var local matJob
+	mm := &local
+	if tm != nil {
+		mm = &s.mm
+	}
+	for t := 0; t < n; t++ {
+		rmsnorm(xb[t*dim:(t+1)*dim], x[t*dim:(t+1)*dim], w.AttnNorm, c.NormEps)
+	}
+	mm.set(xb, n, dim)
+	mm.add(w.WQ, qd, q, w.BQ)
+	mm.add(w.WK, kvd, kk, w.BK)
+	mm.add(w.WV, kvd, v, w.BV)
+	b.matmul(mm, tm)
+	mm.bias()
+	pageElems := l.PageSize * kvd
+	layerElems := l.Pages * pageElems
+	kBase := (2 * li) * layerElems
+	vBase := kBase + layerElems
+	for t := t0; t < t1; t++ {
+		qt := s.q[t*qd : (t+1)*qd]
+		kt := s.k[t*kvd : (t+1)*kvd]
+		b.rope.apply(qt, c.Heads, s.pos[t])
+		b.rope.apply(kt, c.KVHeads, s.pos[t])
+		copy(b.kv[kBase+s.slot[t]:kBase+s.slot[t]+kvd], kt)
+		copy(b.kv[vBase+s.slot[t]:vBase+s.slot[t]+kvd], s.v[t*kvd:(t+1)*kvd])
+	}
+	if tm != nil {
+		work := 0
+		for t := t0; t < t1; t++ {
+			work += (s.pos[t] + 1) * 2 * qd
+		}
+		s.at = attnJob{t0: t0, n: n, kBase: kBase, vBase: vBase, pageElems: pageElems, parts: tm.parts(work)}
+		tm.run(s.at.parts, s.atFn)
+	} else {
+		a := attnJob{t0: t0, n: n, kBase: kBase, vBase: vBase, pageElems: pageElems, parts: 1}
+		b.attend(&a, k, 0, n*c.KVHeads)
+	}
+	mm.set(att, n, qd)
+	mm.add(w.WO, dim, xb2, nil)
+	b.matmul(mm, tm)
+	addTo(x, xb2)
+
+	for t := 0; t < n; t++ {
+		rmsnorm(xb[t*dim:(t+1)*dim], x[t*dim:(t+1)*dim], w.FFNNorm, c.NormEps)
+	}
+	mm.set(xb, n, dim)
+	mm.add(w.W1, hd, hb, nil)
+	mm.add(w.W3, hd, hb2, nil)
+	b.matmul(mm, tm)
+	for t := 0; t < n; t++ {
+		siluMul(hb[t*hd:(t+1)*hd], hb2[t*hd:(t+1)*hd])
+	}
+	mm.set(hb, n, hd)
+	mm.add(w.W2, dim, xb2, nil)
+	b.matmul(mm, tm)
+	addTo(x, xb2)
+}
+
+// matmul runs mm across tm, or whole on the calling thread when tm is nil.
+func (b *Backend) matmul(mm *matJob, tm *team) {
+	if tm == nil {
+		mm.parts = 1
+		mm.run(0)
+		return
+	}
+	tm.run(mm.plan(tm), b.s.mmFn)
+}
+
+// logits computes the logits of sequences [i0, i1), whose tokens start at
+// t0, into logits rows from r0 on, and copies them out.
+func (b *Backend) logits(i0, i1, t0, r0 int, tm *team) {
+	c := &b.cfg
+	s := &b.s
+	dim := c.Dim
+	t, r := t0, r0
+	for _, sq := range s.seqs[i0:i1] {
+		t += len(sq.Tokens)
+		if sq.Logits {
+			rmsnorm(s.lx[r*dim:(r+1)*dim], s.x[(t-1)*dim:t*dim], b.m.W.Norm, c.NormEps)
+			r++
+		}
+	}
+	if r == r0 {
+		return
+	}
+	var local matJob
+	mm := &local
+	if tm != nil {
+		mm = &s.mm
+	}
+	mm.set(s.lx[r0*dim:r*dim], r-r0, dim)
+	mm.add(b.m.W.LMHead, c.Vocab, s.logits[r0*c.Vocab:r*c.Vocab], nil)
+	b.matmul(mm, tm)
+	r = r0
+	for i := i0; i < i1; i++ {
+		if s.seqs[i].Logits {
+			copy(s.out[i][:c.Vocab], s.logits[r*c.Vocab:(r+1)*c.Vocab])
+			r++
+		}
+	}
 }
 
 // rmsnorm writes o = w * (x / rms(x)).
@@ -233,7 +357,7 @@ func addTo(dst, src []float32) {
 
 // attnJob is one layer's attention over all tokens of a forward pass.
 type attnJob struct {
-	n            int
+	t0, n        int
 	kBase, vBase int
 	pageElems    int
 	parts        int
@@ -243,17 +367,22 @@ type attnJob struct {
 // each query head of the group, scores over positions 0..pos in order, a
 // softmax, and the weighted sum of values in position order.
 func (b *Backend) attentionPart(k int) {
+	a := &b.s.at
+	lo, hi := span(k, a.parts, a.n*b.cfg.KVHeads)
+	b.attend(a, k, lo, hi)
+}
+
+// attend computes tasks [lo, hi) of a on thread k.
+func (b *Backend) attend(a *attnJob, k, lo, hi int) {
 	c := &b.cfg
 	s := &b.s
-	a := &s.at
 	hd, kvd, qd := c.HeadDim, c.KVHeads*c.HeadDim, c.Heads*c.HeadDim
 	ps := b.pool.PageSize
 	group := c.Heads / c.KVHeads
 	scale := float32(math.Sqrt(float64(hd)))
-	lo, hi := span(k, a.parts, a.n*c.KVHeads)
 	sc := s.scores[k]
 	for task := lo; task < hi; task++ {
-		t, g := task/c.KVHeads, task%c.KVHeads
+		t, g := a.t0+task/c.KVHeads, task%c.KVHeads
 		npos := s.pos[t] + 1
 		pages := s.seqs[s.seq[t]].Pages
 		sc := sc[:cap(sc)]

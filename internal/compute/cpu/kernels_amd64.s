@@ -133,7 +133,10 @@ r4done:
 
 // func attnScoresAVX2(q, k *float32, stride, n, hd int, out *float32)
 // out[j] = dot(q[:hd], k[j*stride : j*stride+hd]) for j < n; hd % 8 == 0.
-// One accumulator per key, folded as above.
+// One accumulator per key over 8-element chunks in order, folded as
+// ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)); keys in blocks of 8 share one
+// VHADDPS transpose, the last n%8 keys are folded one by one in the same
+// order.
 TEXT ·attnScoresAVX2(SB), NOSPLIT, $0-48
 	MOVQ q+0(FP), SI
 	MOVQ k+8(FP), DI
@@ -142,23 +145,76 @@ TEXT ·attnScoresAVX2(SB), NOSPLIT, $0-48
 	MOVQ hd+32(FP), DX
 	MOVQ out+40(FP), R11
 	SHLQ $2, AX
-	XORQ R8, R8 // j
-scj:
-	CMPQ R8, CX
-	JGE scdone
+	SHLQ $2, DX
+	MOVQ AX, R12
+	SHLQ $3, R12 // 8 keys
+scblk:
+	CMPQ CX, $8
+	JLT sctail
+	MOVQ DI, R10
+	LEAQ (R10)(AX*2), R8
+	ADDQ AX, R8
+	LEAQ (R8)(AX*2), R9
+	ADDQ AX, R9
+	VXORPS Y0, Y0, Y0
+	VXORPS Y1, Y1, Y1
+	VXORPS Y2, Y2, Y2
+	VXORPS Y3, Y3, Y3
+	VXORPS Y4, Y4, Y4
+	VXORPS Y5, Y5, Y5
+	VXORPS Y6, Y6, Y6
+	VXORPS Y7, Y7, Y7
+	XORQ BX, BX
+scchunk:
+	VMOVUPS (SI)(BX*1), Y8
+	VFMADD231PS (R10), Y8, Y0
+	VFMADD231PS (R10)(AX*1), Y8, Y1
+	VFMADD231PS (R10)(AX*2), Y8, Y2
+	VFMADD231PS (R8), Y8, Y3
+	VFMADD231PS (R10)(AX*4), Y8, Y4
+	VFMADD231PS (R8)(AX*2), Y8, Y5
+	VFMADD231PS (R9), Y8, Y6
+	VFMADD231PS (R9)(AX*1), Y8, Y7
+	ADDQ $32, R10
+	ADDQ $32, R8
+	ADDQ $32, R9
+	ADDQ $32, BX
+	CMPQ BX, DX
+	JLT scchunk
+	VHADDPS Y1, Y0, Y0
+	VHADDPS Y3, Y2, Y2
+	VHADDPS Y2, Y0, Y0
+	VHADDPS Y5, Y4, Y4
+	VHADDPS Y7, Y6, Y6
+	VHADDPS Y6, Y4, Y4
+	VPERM2F128 $0x20, Y4, Y0, Y1
+	VPERM2F128 $0x31, Y4, Y0, Y2
+	VADDPS Y2, Y1, Y1
+	VMOVUPS Y1, (R11)
+	ADDQ $32, R11
+	ADDQ R12, DI
+	SUBQ $8, CX
+	JMP scblk
+sctail:
+	TESTQ CX, CX
+	JZ scdone
 	VXORPS Y0, Y0, Y0
 	XORQ BX, BX
-scc:
-	VMOVUPS (SI)(BX*4), Y1
-	VFMADD231PS (DI)(BX*4), Y1, Y0
-	ADDQ $8, BX
+sctchunk:
+	VMOVUPS (SI)(BX*1), Y8
+	VFMADD231PS (DI)(BX*1), Y8, Y0
+	ADDQ $32, BX
 	CMPQ BX, DX
-	JLT scc
-	HSUM(Y0, X0, X1)
-	VMOVSS X0, (R11)(R8*4)
+	JLT sctchunk
+	VHADDPS Y0, Y0, Y0
+	VHADDPS Y0, Y0, Y0
+	VEXTRACTF128 $1, Y0, X1
+	VADDPS X1, X0, X0
+	VMOVSS X0, (R11)
+	ADDQ $4, R11
 	ADDQ AX, DI
-	INCQ R8
-	JMP scj
+	DECQ CX
+	JMP sctail
 scdone:
 	VZEROUPPER
 	RET

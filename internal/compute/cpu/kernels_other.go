@@ -11,3 +11,19 @@ func attnAccumAVX2(p, v *float32, stride, n, hd int, out *float32)         { pan
 
 func softmaxAVX2(x *float32, n8 int, div float32) { panic("unreachable") }
 func siluMulAVX2(gate, u *float32, n8 int)        { panic("unreachable") }
+
+func gemm4x3(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x2(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm8x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm1x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}

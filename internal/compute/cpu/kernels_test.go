@@ -135,3 +135,48 @@ func TestSoftmaxSilu(t *testing.T) {
 		}
 	}
 }
+
+// TestGemmKernels checks that every microkernel gives each (row, token)
+// the same bits as the 1x1 kernel, and values close to float64.
+func TestGemmKernels(t *testing.T) {
+	if !hasAVX2 {
+		t.Skip("no AVX2")
+	}
+	r := rand.New(rand.NewPCG(9, 10))
+	for _, in := range []int{1, 7, 8, 9, 16, 64, 100, 172} {
+		for _, n := range []int{1, 2, 3, 4, 5, 7} {
+			for _, rows := range []int{1, 3, 4, 5, 8, 12, 13} {
+				w := randVec(r, rows*in)
+				x := randVec(r, n*in)
+				got := make([]float32, n*rows)
+				for r0 := 0; r0 < rows; {
+					nr := rows - r0
+					if nr >= 8 {
+						nr = 8
+					} else if nr >= 4 {
+						nr = 4
+					}
+					matRows(w, in, x, n, got, rows, r0, nr)
+					r0 += nr
+				}
+				for row := 0; row < rows; row++ {
+					for tk := 0; tk < n; tk++ {
+						var one float32
+						gemm1x1(&w[row*in], in, &x[tk*in], in, in, &one, 1)
+						g := got[tk*rows+row]
+						if math.Float32bits(one) != math.Float32bits(g) {
+							t.Fatalf("in=%d n=%d rows=%d: (%d,%d) %v != 1x1 %v", in, n, rows, row, tk, g, one)
+						}
+						want := dot64(w[row*in:(row+1)*in], x[tk*in:(tk+1)*in])
+						if math.Abs(float64(g)-want) > 1e-5*math.Sqrt(float64(in))*4 {
+							t.Fatalf("in=%d: %v, want %v", in, g, want)
+						}
+						if d := dotLanes(w[row*in:(row+1)*in], x[tk*in:(tk+1)*in]); math.Abs(float64(d)-want) > 1e-5*math.Sqrt(float64(in))*4 {
+							t.Fatalf("in=%d: dotLanes %v, want %v", in, d, want)
+						}
+					}
+				}
+			}
+		}
+	}
+}

@@ -63,17 +63,19 @@ GLOBL expc<>(SB), RODATA|NOPTR, $60
 	VANDNPS Y0, Y7, Y0
 
 // func softmaxAVX2(x *float32, n8 int, div float32)
-// x[:n8] = softmax(x[:n8] / div); n8 % 8 == 0, n8 > 0; -inf entries give 0.
+// x[:n8] = softmax(x[:n8] * (1/div)); n8 % 8 == 0, n8 > 0; -inf entries give
+// 0. The normalisation multiplies by 1/sum.
 // Max and sum use one 8-lane accumulator in order, then a fixed fold.
 TEXT ·softmaxAVX2(SB), NOSPLIT, $0-20
 	MOVQ x+0(FP), SI
 	MOVQ n8+8(FP), CX
-	VBROADCASTSS div+16(FP), Y1
+	VBROADCASTSS div+16(FP), Y0
+	VBROADCASTSS expc<>+24(SB), Y1
+	VDIVPS Y0, Y1, Y1 // 1/div
 	VBROADCASTSS expc<>+56(SB), Y5
 	XORQ BX, BX
 smmax:
-	VMOVUPS (SI)(BX*4), Y0
-	VDIVPS Y1, Y0, Y0
+	VMULPS (SI)(BX*4), Y1, Y0
 	VMOVUPS Y0, (SI)(BX*4)
 	VMAXPS Y0, Y5, Y5
 	ADDQ $8, BX
@@ -105,10 +107,10 @@ smexp:
 	VMOVSHDUP X5, X1
 	VADDSS X1, X5, X5
 	VBROADCASTSS X5, Y6
+	VDIVPS Y6, Y14, Y6 // 1/sum
 	XORQ BX, BX
 smdiv:
-	VMOVUPS (SI)(BX*4), Y0
-	VDIVPS Y6, Y0, Y0
+	VMULPS (SI)(BX*4), Y6, Y0
 	VMOVUPS Y0, (SI)(BX*4)
 	ADDQ $8, BX
 	CMPQ BX, CX
