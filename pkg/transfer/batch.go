@@ -52,7 +52,6 @@ type Batch struct {
 	status  []TaskStatus
 	pending int
 	done    chan struct{}
-	used    map[string]bool
 	reqs    []Request
 }
 
@@ -68,53 +67,78 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 	if closed {
 		return nil, ErrClosed
 	}
+	// Per-request work is kept small (large batches of small pages are the
+	// common case): tasks live in one slice, and the segment, local region
+	// and transport of the previous request are reused while they fit.
+	store := make([]Task, len(reqs))
 	tasks := make([]*Task, len(reqs))
 	ts := make([]Transport, len(reqs))
 	peers := make([]*Descriptor, len(reqs))
 	refreshed := map[SegmentID]bool{}
+	var (
+		curID   SegmentID = -1
+		cur     *segment
+		d       *Descriptor
+		tab     *regionTable
+		lr      *Region
+		lastRem *RegionInfo
+		lastLoc Location
+		lastT   Transport
+	)
 	for i, r := range reqs {
-		s := e.segAt(r.Segment)
-		if s == nil {
-			return nil, fmt.Errorf("transfer: request %d: %w: id %d not opened", i, ErrSegmentNotFound, r.Segment)
-		}
-		d, tab, stale := s.snapshot()
-		if stale && !refreshed[r.Segment] {
-			refreshed[r.Segment] = true
-			if err := e.refresh(ctx, s); err != nil {
-				return nil, fmt.Errorf("transfer: request %d: %w", i, err)
+		if r.Segment != curID || cur == nil {
+			cur = e.segAt(r.Segment)
+			if cur == nil {
+				return nil, fmt.Errorf("transfer: request %d: %w: id %d not opened", i, ErrSegmentNotFound, r.Segment)
 			}
-			d, tab, _ = s.snapshot()
+			var stale bool
+			d, tab, stale = cur.snapshot()
+			if stale && !refreshed[r.Segment] {
+				refreshed[r.Segment] = true
+				if err := e.refresh(ctx, cur); err != nil {
+					return nil, fmt.Errorf("transfer: request %d: %w", i, err)
+				}
+				d, tab, _ = cur.snapshot()
+			}
+			curID, lastRem, lastT = r.Segment, nil, nil
 		}
-		lr, err := e.CheckLocal(uint64(r.Local), r.Len, 0)
-		if err != nil {
-			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: local memory: %w", i, err)}
+		if lr == nil || uint64(r.Local) < lr.Addr || uint64(r.Local)+r.Len > lr.End() || uint64(r.Local)+r.Len < uint64(r.Local) || r.Len == 0 {
+			var err error
+			if lr, err = e.CheckLocal(uint64(r.Local), r.Len, 0); err != nil {
+				return nil, &OpError{Op: r.Op.String(), Segment: cur.name, Err: fmt.Errorf("request %d: local memory: %w", i, err)}
+			}
 		}
 		rr, err := tab.Check(r.Remote, r.Len, r.Op.need())
 		if errors.Is(err, ErrOutOfBounds) && !refreshed[r.Segment] && r.Segment != LocalSegment {
 			// The peer may have registered memory since we last looked.
 			refreshed[r.Segment] = true
-			if rerr := e.refresh(ctx, s); rerr == nil {
-				d, tab, _ = s.snapshot()
+			if rerr := e.refresh(ctx, cur); rerr == nil {
+				d, tab, _ = cur.snapshot()
+				lastRem, lastT = nil, nil
 				rr, err = tab.Check(r.Remote, r.Len, r.Op.need())
 			}
 		}
 		if err != nil {
-			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: %w", i, err)}
+			return nil, &OpError{Op: r.Op.String(), Segment: cur.name, Err: fmt.Errorf("request %d: %w", i, err)}
 		}
-		t := e.pick(lr.Location, d, rr)
-		if t == nil {
-			return nil, &OpError{Op: r.Op.String(), Segment: s.name, Err: fmt.Errorf("request %d: %w from %v to %v (installed: %v)",
-				i, ErrNoTransport, lr.Location, rr.Location, e.transportNames())}
+		t := lastT
+		if rr != lastRem || lr.Location != lastLoc || t == nil {
+			if t = e.pick(lr.Location, d, rr); t == nil {
+				return nil, &OpError{Op: r.Op.String(), Segment: cur.name, Err: fmt.Errorf("request %d: %w from %v to %v (installed: %v)",
+					i, ErrNoTransport, lr.Location, rr.Location, e.transportNames())}
+			}
+			e.noteChoice(cur.name, d.Incarnation, t.Name(), lr.Location, rr.Location)
+			lastRem, lastLoc, lastT = rr, lr.Location, t
 		}
-		e.noteChoice(s.name, d.Incarnation, t.Name(), lr.Location, rr.Location)
-		rcopy := *rr
-		tasks[i] = &Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: &rcopy, LocalRegion: lr}
-		ts[i], peers[i] = t, d
+		// rr points into the segment's region table, which is replaced,
+		// never changed, when the descriptor is refreshed.
+		store[i] = Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: rr, LocalRegion: lr, i: i}
+		tasks[i], ts[i], peers[i] = &store[i], t, d
 	}
 
 	bctx, cancel := context.WithTimeout(ctx, e.cfg.Timeout)
 	b := &Batch{e: e, start: time.Now(), cancel: cancel, status: make([]TaskStatus, len(reqs)),
-		pending: len(reqs), done: make(chan struct{}), used: map[string]bool{}, reqs: reqs}
+		pending: len(reqs), done: make(chan struct{}), reqs: reqs}
 	if len(reqs) == 0 {
 		cancel()
 		close(b.done)
@@ -126,17 +150,24 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 	}
 	groups := map[key][]*Task{}
 	var order []key
+	var lastK key
+	var lastG []*Task
 	for i, t := range tasks {
-		i := i
-		t.done = func(err error) { b.finish(i, err) }
+		t.b = b
 		b.status[i].Transport = ts[i].Name()
-		b.used[ts[i].Name()] = true
 		k := key{ts[i], peers[i]}
-		if _, ok := groups[k]; !ok {
-			order = append(order, k)
+		if k != lastK || lastG == nil {
+			if lastG != nil {
+				groups[lastK] = lastG
+			}
+			if _, ok := groups[k]; !ok {
+				order = append(order, k)
+			}
+			lastK, lastG = k, groups[k]
 		}
-		groups[k] = append(groups[k], t)
+		lastG = append(lastG, t)
 	}
+	groups[lastK] = lastG
 	// Bound the batch: when bctx ends, every task still pending times out
 	// (or is canceled with the caller's context).
 	b.stop = context.AfterFunc(bctx, func() {
@@ -205,12 +236,8 @@ func (b *Batch) finish(i int, err error) {
 	last := b.pending == 0
 	b.mu.Unlock()
 
-	m := b.e.m
 	r := b.reqs[i]
-	m.tasks.WithLabelValues(st.Transport, st.State.String()).Inc()
-	if err == nil {
-		m.bytes.WithLabelValues(st.Transport, r.Op.String()).Add(float64(r.Len))
-	} else if r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout) || errors.Is(err, ErrPeerRestarted)) {
+	if err != nil && r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout) || errors.Is(err, ErrPeerRestarted)) {
 		if s := b.e.segAt(r.Segment); s != nil {
 			s.markStale() // refetch (and check the incarnation) before the next use
 		}
@@ -223,21 +250,58 @@ func (b *Batch) finish(i int, err error) {
 	}
 }
 
+// complete records the batch's metrics (aggregated here, not per task) and
+// releases waiters.
 func (b *Batch) complete() {
 	b.stop()
 	b.cancel()
 	el := time.Since(b.start).Seconds()
-	res := map[string]string{}
-	for _, s := range b.status {
-		if s.State != Completed {
-			res[s.Transport] = "failed"
-		} else if res[s.Transport] == "" {
-			res[s.Transport] = "completed"
+	// A batch uses few transports: count per transport in a short slice.
+	type agg struct {
+		transport string
+		states    [TimedOut + 1]int
+		bytes     [Write + 1]uint64
+	}
+	var per []agg
+	k := -1
+	for i := range b.status {
+		st := &b.status[i]
+		if k < 0 || per[k].transport != st.Transport {
+			k = -1
+			for j := range per {
+				if per[j].transport == st.Transport {
+					k = j
+				}
+			}
+			if k < 0 {
+				per = append(per, agg{transport: st.Transport})
+				k = len(per) - 1
+			}
+		}
+		per[k].states[st.State]++
+		if st.State == Completed {
+			per[k].bytes[b.reqs[i].Op] += b.reqs[i].Len
 		}
 	}
-	for t, r := range res {
-		b.e.m.batches.WithLabelValues(t, r).Inc()
-		b.e.m.seconds.WithLabelValues(t).Observe(el)
+	m := b.e.m
+	for _, a := range per {
+		result := "completed"
+		for st, n := range a.states {
+			if n == 0 {
+				continue
+			}
+			m.tasks.WithLabelValues(a.transport, TaskState(st).String()).Add(float64(n))
+			if TaskState(st) != Completed {
+				result = "failed"
+			}
+		}
+		for op, n := range a.bytes {
+			if n > 0 {
+				m.bytes.WithLabelValues(a.transport, Op(op).String()).Add(float64(n))
+			}
+		}
+		m.batches.WithLabelValues(a.transport, result).Inc()
+		m.seconds.WithLabelValues(a.transport).Observe(el)
 	}
 	close(b.done)
 }

@@ -4,7 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net"
-	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -70,12 +70,17 @@ type Task struct {
 	// LocalRegion is the local registered region holding [Local, Local+Len).
 	LocalRegion *Region
 
-	once sync.Once
-	done func(error)
+	b     *Batch
+	i     int
+	fired atomic.Bool
 }
 
 // Done reports the task's result; only the first call counts.
-func (t *Task) Done(err error) { t.once.Do(func() { t.done(err) }) }
+func (t *Task) Done(err error) {
+	if t.fired.CompareAndSwap(false, true) {
+		t.b.finish(t.i, err)
+	}
+}
 
 // Host is what the engine offers its transports.
 type Host interface {
