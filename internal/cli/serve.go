@@ -39,6 +39,7 @@ type serveFlags struct {
 	disaggTimeout                        time.Duration
 	seed                                 int64
 	debugFault                           string
+	profiling                            bool
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -82,6 +83,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
+	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
 	fl.StringVar(&f.debugFault, "debug-fault", "", "fault injection for tests: transfer (a prefill's KV transfers fail)")
 	_ = fl.MarkHidden("debug-fault")
 	return cmd
@@ -324,7 +326,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			}
 			return out
 		},
-		PrepareDisagg: prepare,
+		PrepareDisagg: prepare, Profiling: f.profiling,
 	})
 	if err != nil {
 		return err

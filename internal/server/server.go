@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -100,6 +101,8 @@ type Config struct {
 	// Ready reports whether the server may take requests; while it returns
 	// false, /health and the generation endpoints answer 503. nil: always ready.
 	Ready func() bool
+	// Profiling mounts net/http/pprof under /debug/pprof/.
+	Profiling bool
 	// PrepareDisagg, when set, is called for every request that carries
 	// bootstrap_host, bootstrap_port or bootstrap_room, before Submit; it
 	// sets the request's Room and Prefill or Preloaded. Its error fails the
@@ -240,6 +243,12 @@ func (s *Server) routes() {
 	handle(http.MethodGet, "/get_model_info", s.handleModelInfo)
 	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
 	handle(http.MethodGet, "/metrics", s.handleMetrics)
+	if s.cfg.Profiling {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errorf(http.StatusNotFound, "no such endpoint: %s %s", r.Method, r.URL.Path))
 	})
