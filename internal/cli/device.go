@@ -97,7 +97,8 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 		return nil, fmt.Errorf("--device cuda: no usable GPU: %s", why)
 	}
 	be, err := cudabe.New(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
-		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg})
+		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,
+		RandomWeights: m.W == nil, Seed: f.seed})
 	if err != nil {
 		return nil, fmt.Errorf("--device cuda (GPU %d): %w", f.baseGPU, err)
 	}

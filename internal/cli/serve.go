@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -40,6 +41,7 @@ type serveFlags struct {
 	seed                                 int64
 	debugFault                           string
 	profiling                            bool
+	randomWeights                        string
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -84,6 +86,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
 	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
+	fl.StringVar(&f.randomWeights, "random-weights", "", "serve seeded random weights of a named shape ("+strings.Join(model.RandomShapes(), ", ")+
+		"), made on the GPU with --device cuda: for benchmarks of large shapes without a model directory")
 	fl.StringVar(&f.debugFault, "debug-fault", "", "fault injection for tests: transfer (a prefill's KV transfers fail)")
 	_ = fl.MarkHidden("debug-fault")
 	return cmd
@@ -136,6 +140,36 @@ func (f *serveFlags) validate() error {
 }
 
 // loadModel loads the model and its tokenizer from the flags.
+func (f *serveFlags) loadModel() (*model.Model, tokenizer.Tokenizer, error) {
+	if f.randomWeights == "" {
+		return loadModel(f.modelPath, f.tokenizerPath)
+	}
+	if f.modelPath != "" {
+		return nil, nil, errors.New("--random-weights and --model-path exclude each other")
+	}
+	tj, cj, err := tokenizer.ByteFallbackHFJSON()
+	if err != nil {
+		return nil, nil, err
+	}
+	tok, err := tokenizer.ParseHF(tj, cj)
+	if err != nil {
+		return nil, nil, err
+	}
+	if f.device == "cuda" {
+		// The CUDA backend makes the weights on the GPU from the seed.
+		cfg, err := model.RandomConfig(f.randomWeights)
+		if err != nil {
+			return nil, nil, fmt.Errorf("--random-weights: %w", err)
+		}
+		return &model.Model{Config: cfg, Random: true, Path: "random:" + f.randomWeights}, tok, nil
+	}
+	m, err := model.NewRandom(f.randomWeights, f.seed)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--random-weights: %w", err)
+	}
+	return m, tok, nil
+}
+
 func loadModel(modelPath, tokPath string) (*model.Model, tokenizer.Tokenizer, error) {
 	if modelPath == "" {
 		return model.Builtin(), tokenizer.NewByteLevel(), nil
@@ -233,13 +267,16 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(func() error { httpLn.Close(); return nil })
 
-	m, tok, err := loadModel(f.modelPath, f.tokenizerPath)
+	m, tok, err := f.loadModel()
 	if err != nil {
 		return err
 	}
 	name := f.servedName
 	if name == "" {
 		name = f.modelPath
+		if f.randomWeights != "" {
+			name = "random:" + f.randomWeights
+		}
 		if name == "" {
 			name = "builtin"
 		}
