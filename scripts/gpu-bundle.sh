@@ -10,12 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=gpu-bundle
 shared=${MOONCAKE_SHARED:-../shared}
-pkgs=(./internal/dl ./internal/cuda ./internal/topo)
+pkgs=(./internal/dl ./internal/cuda ./internal/topo ./pkg/transfer/nvlink)
 # shellcheck disable=SC2206
 pkgs+=(${GPU_TEST_PKGS:-})
 
 rm -rf "$out"
-mkdir -p "$out/bin" "$out/shared/models"
+mkdir -p "$out/bin" "$out/shared/models" "$out/shared/reference"
 export CGO_ENABLED=1
 
 if [ -d cmd/mooncake-go ]; then
@@ -33,6 +33,7 @@ done
 xz -T0 -6 "$out"/bin/*
 if [ -d "$shared/models/stories260K" ]; then
 	cp -r "$shared/models/stories260K" "$out/shared/models/"
+	cp "$shared/reference/stories260K-greedy.json" "$out/shared/reference/"
 else
 	echo "warning: $shared/models/stories260K not found" >&2
 fi
