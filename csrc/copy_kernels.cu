@@ -88,6 +88,48 @@ extern "C" __global__ void mc_scatter_copy(const McCopyDesc *__restrict__ descs,
 	}
 }
 
+// mc_scatter_pages copies n equal pages of page_vecs 16-byte words each,
+// every source and destination 16-byte aligned (the KV-cache case). The
+// descriptors are compact (src, dst) pairs. The batch is one flat range of
+// 16-byte words spread over every thread of the grid: word g is word
+// g % page_vecs of page g / page_vecs (a shift when page_vecs is a power of
+// two). Each thread issues MC_PAGES_UNROLL independent loads (from up to as
+// many pages) before their stores, so small pages keep as many bytes in
+// flight as large ones; neighbouring lanes touch neighbouring words of one
+// page, so accesses stay coalesced and the warp's descriptor reads are one
+// broadcast.
+#ifndef MC_PAGES_UNROLL
+#define MC_PAGES_UNROLL 4
+#endif
+
+extern "C" __global__ void mc_scatter_pages(const ulonglong2 *__restrict__ descs,
+                                            unsigned long long page_vecs, int page_shift,
+                                            unsigned long long total_vecs) {
+	const unsigned long long nthreads = (unsigned long long)gridDim.x * blockDim.x;
+	unsigned long long g = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+	for (; g + (MC_PAGES_UNROLL - 1) * nthreads < total_vecs; g += MC_PAGES_UNROLL * nthreads) {
+		uint4 r[MC_PAGES_UNROLL];
+		uint4 *d[MC_PAGES_UNROLL];
+#pragma unroll
+		for (int k = 0; k < MC_PAGES_UNROLL; k++) {
+			unsigned long long idx = g + k * nthreads;
+			unsigned long long p = page_shift >= 0 ? idx >> page_shift : idx / page_vecs;
+			unsigned long long o = idx - p * page_vecs;
+			ulonglong2 dd = descs[p];
+			r[k] = ((const uint4 *)dd.x)[o];
+			d[k] = ((uint4 *)dd.y) + o;
+		}
+#pragma unroll
+		for (int k = 0; k < MC_PAGES_UNROLL; k++) *d[k] = r[k];
+	}
+	for (; g < total_vecs; g += nthreads) {
+		unsigned long long p = page_shift >= 0 ? g >> page_shift : g / page_vecs;
+		unsigned long long o = g - p * page_vecs;
+		ulonglong2 dd = descs[p];
+		((uint4 *)dd.y)[o] = ((const uint4 *)dd.x)[o];
+	}
+}
+
 // mc_fill_pattern writes a reproducible pseudo-random pattern (a hash of the
 // byte index and seed) into n bytes: used by tests to fill buffers quickly.
 extern "C" __global__ void mc_fill_pattern(unsigned char *dst, unsigned long long n,

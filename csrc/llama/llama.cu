@@ -551,3 +551,418 @@ extern "C" __global__ void read_bw(const uint4 *p, long long n16, u32 *sink) {
 	}
 	if (acc == 0x9e3779b9u) sink[0] = acc;
 }
+
+// ---------------------------------------------------------------------------
+// Second-generation kernels (compiled only with -DMC_V2=1; the backend falls
+// back to a build without them if NVRTC rejects them).
+#if MC_V2
+__device__ __forceinline__ u32 smem_u32(const void *p) {
+	u32 a;
+	asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+	return a;
+}
+// ldg_stream: a 16-byte load that does not allocate in L1 (weights streamed once).
+__device__ __forceinline__ uint4 ldg_stream(const void *p) {
+	uint4 r;
+	asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+		     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+		     : "l"(p));
+	return r;
+}
+__device__ __forceinline__ void unpack8(uint4 a, float *o) {
+	o[0] = __uint_as_float(a.x << 16); o[1] = __uint_as_float(a.x & 0xffff0000u);
+	o[2] = __uint_as_float(a.y << 16); o[3] = __uint_as_float(a.y & 0xffff0000u);
+	o[4] = __uint_as_float(a.z << 16); o[5] = __uint_as_float(a.z & 0xffff0000u);
+	o[6] = __uint_as_float(a.w << 16); o[7] = __uint_as_float(a.w & 0xffff0000u);
+}
+
+#if USE_BF16
+// gemv_*: Y[t][o] = X[t][:] . W[o][:] (+ beta*Y) for n <= 4 tokens (decode):
+// one warp per output row, 16-byte weight loads, 4 in flight per lane, so the
+// weights stream at HBM speed from every SM. in % 8 == 0. Block 256 threads.
+#define GEMV_MAXN 4
+template <typename TO>
+__device__ __forceinline__ void gemv_rows(TO *Y, const bf16_t *X, const bf16_t *W, int n, int out, int in, float beta) {
+	int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+	if (row >= out) return;
+	const bf16_t *w = W + (long long)row * in;
+	int nc = in >> 3;
+	float acc[GEMV_MAXN];
+#pragma unroll
+	for (int t = 0; t < GEMV_MAXN; t++) acc[t] = 0.f;
+	int c = lane;
+	for (; c + 96 < nc; c += 128) {
+		uint4 wr[4];
+#pragma unroll
+		for (int u = 0; u < 4; u++) wr[u] = ldg_stream(w + (c + 32 * u) * 8);
+#pragma unroll
+		for (int u = 0; u < 4; u++) {
+			float wf[8];
+			unpack8(wr[u], wf);
+#pragma unroll
+			for (int t = 0; t < GEMV_MAXN; t++) {
+				if (t < n) {
+					float xf[8];
+					load8(X + (long long)t * in + (c + 32 * u) * 8, xf);
+#pragma unroll
+					for (int e = 0; e < 8; e++) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+				}
+			}
+		}
+	}
+	for (; c < nc; c += 32) {
+		float wf[8];
+		unpack8(ldg_stream(w + c * 8), wf);
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++) {
+			if (t < n) {
+				float xf[8];
+				load8(X + (long long)t * in + c * 8, xf);
+#pragma unroll
+				for (int e = 0; e < 8; e++) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+			}
+		}
+	}
+#pragma unroll
+	for (int t = 0; t < GEMV_MAXN; t++)
+		for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+	if (lane == 0) {
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++) {
+			if (t < n) {
+				long long idx = (long long)t * out + row;
+				float v = acc[t];
+				if (beta != 0.f) v = v + beta * ld(Y, idx);
+				st(Y, idx, v);
+			}
+		}
+	}
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_f32out(float *Y, const bf16_t *X, const bf16_t *W, int n,
+	int out, int in, float beta) {
+	gemv_rows<float>(Y, X, W, n, out, in, beta);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_tout(bf16_t *Y, const bf16_t *X, const bf16_t *W, int n,
+	int out, int in, float beta) {
+	gemv_rows<bf16_t>(Y, X, W, n, out, in, beta);
+}
+#endif // USE_BF16
+
+#if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)
+// attn_decode: the split-K attention of attn_split (same arguments, same
+// partial-result layout, same fixed split of the keys) laid out for memory
+// parallelism: DK_L = HEAD_DIM/8 lanes read one key's 16-byte chunks, so a
+// warp reads 32/DK_L whole rows per load and each lane keeps 4 loads in
+// flight; the GQA_GROUP query heads share every K and V load.
+#define DK_L (HEAD_DIM / 8)
+#define DK_KPW (32 / DK_L)
+#define DEC_WARPS 4
+#define DEC_SLOTS (DEC_WARPS * DK_KPW)
+extern "C" __global__ void __launch_bounds__(128) attn_decode(float *part_o, float *part_ml, const T *q,
+	const T *kc, const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size,
+	int nsplit, int nheads, int nkv, int qi0, float div) {
+	__shared__ float sc[GQA_GROUP][ATT_SPLIT];
+	__shared__ float os[DEC_SLOTS][GQA_GROUP][HEAD_DIM];
+	__shared__ float mls[GQA_GROUP][2];
+	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
+	int npos = pos[qi] + 1;
+	int k0 = split * ATT_SPLIT;
+	if (k0 >= npos) return;
+	int len = min(ATT_SPLIT, npos - k0);
+	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
+	int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	int sub = lane / DK_L, c = lane % DK_L;
+	const int *pt = pages + ptoff[qi];
+	const T *qb = q + (long long)qrow[qi] * QD + (long long)g * GQA_GROUP * HEAD_DIM + c * 8;
+	float qv[GQA_GROUP][8];
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) load8(qb + h * HEAD_DIM, qv[h]);
+	const long long goff = (long long)g * HEAD_DIM + c * 8;
+	for (int jb = warp * DK_KPW; jb < len; jb += 4 * DEC_SLOTS) {
+		uint4 kr[4];
+#pragma unroll
+		for (int u = 0; u < 4; u++) {
+			int j = jb + u * DEC_SLOTS + sub;
+			kr[u].x = kr[u].y = kr[u].z = kr[u].w = 0u;
+			if (j < len) {
+				int key = k0 + j;
+				kr[u] = *(const uint4 *)(kc + (long long)pt[key / page_size] * page_size * KVD +
+					(long long)(key % page_size) * KVD + goff);
+			}
+		}
+#pragma unroll
+		for (int u = 0; u < 4; u++) {
+			float kf[8];
+			unpack8(kr[u], kf);
+			float a[GQA_GROUP];
+#pragma unroll
+			for (int h = 0; h < GQA_GROUP; h++) {
+				float s = 0.f;
+#pragma unroll
+				for (int e = 0; e < 8; e++) s = fmaf(qv[h][e], kf[e], s);
+#pragma unroll
+				for (int o = DK_L / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+				a[h] = s;
+			}
+			int j = jb + u * DEC_SLOTS + sub;
+			if (c == 0 && j < len) {
+#pragma unroll
+				for (int h = 0; h < GQA_GROUP; h++) sc[h][j] = a[h] / div;
+			}
+		}
+	}
+	__syncthreads();
+	for (int h = warp; h < GQA_GROUP; h += DEC_WARPS) {
+		float mx = NEG_INF;
+		for (int j = lane; j < len; j += 32) mx = fmaxf(mx, sc[h][j]);
+		for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+		float s = 0.f;
+		for (int j = lane; j < len; j += 32) {
+			float e = expf(sc[h][j] - mx);
+			sc[h][j] = e;
+			s += e;
+		}
+		for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+		if (lane == 0) {
+			mls[h][0] = mx;
+			mls[h][1] = s;
+		}
+	}
+	__syncthreads();
+	float o[GQA_GROUP][8];
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++)
+#pragma unroll
+		for (int e = 0; e < 8; e++) o[h][e] = 0.f;
+	int slot = warp * DK_KPW + sub;
+	for (int jb = warp * DK_KPW; jb < len; jb += 4 * DEC_SLOTS) {
+		uint4 vr[4];
+#pragma unroll
+		for (int u = 0; u < 4; u++) {
+			int j = jb + u * DEC_SLOTS + sub;
+			vr[u].x = vr[u].y = vr[u].z = vr[u].w = 0u;
+			if (j < len) {
+				int key = k0 + j;
+				vr[u] = *(const uint4 *)(vc + (long long)pt[key / page_size] * page_size * KVD +
+					(long long)(key % page_size) * KVD + goff);
+			}
+		}
+#pragma unroll
+		for (int u = 0; u < 4; u++) {
+			int j = jb + u * DEC_SLOTS + sub;
+			if (j < len) {
+				float vf[8];
+				unpack8(vr[u], vf);
+#pragma unroll
+				for (int h = 0; h < GQA_GROUP; h++) {
+					float p = sc[h][j];
+#pragma unroll
+					for (int e = 0; e < 8; e++) o[h][e] = fmaf(p, vf[e], o[h][e]);
+				}
+			}
+		}
+	}
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++)
+#pragma unroll
+		for (int e = 0; e < 8; e++) os[slot][h][c * 8 + e] = o[h][e];
+	__syncthreads();
+	for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += blockDim.x) {
+		int h = i / HEAD_DIM, d = i % HEAD_DIM;
+		float a = 0.f;
+		for (int s2 = 0; s2 < DEC_SLOTS; s2++) a += os[s2][h][d];
+		long long base = ((long long)z * nheads + g * GQA_GROUP + h) * nsplit + split;
+		part_o[base * HEAD_DIM + d] = a;
+		if (d == 0) {
+			part_ml[base * 2] = mls[h][0];
+			part_ml[base * 2 + 1] = mls[h][1];
+		}
+	}
+}
+#endif
+
+#if USE_BF16 && (HEAD_DIM % 32 == 0) && (HEAD_DIM <= 128)
+// attn_prefill2: causal flash attention, second version. Block (q tile,
+// head, seq) of FA2_WARPS warps, 16 query rows each; longest (latest) query
+// tiles launch first; 64-key K and V tiles stream through shared memory by
+// cp.async, two stages deep, both row-major; B fragments come from ldmatrix
+// (K) and ldmatrix.trans (V); warps skip key tiles entirely above their rows
+// and mask only diagonal tiles. Keys in tiles of 64 aligned to position 0, as
+// in attn_prefill. Dynamic shared memory: 2 * 2 * 64 * (HEAD_DIM+8) * 2 bytes.
+#ifndef FA2_WARPS
+#define FA2_WARPS 8
+#endif
+#define F2_BQ (FA2_WARPS * 16)
+#define F2_BK 64
+#define F2_PAD (HEAD_DIM + 8)
+#define F2_TILE (F2_BK * F2_PAD)
+extern "C" __global__ void __launch_bounds__(FA2_WARPS * 32, 1) attn_prefill2(bf16_t *out, const bf16_t *q,
+	const bf16_t *kc, const bf16_t *vc, const int *qstart, const int *qlen, const int *pos0, const int *ptoff,
+	const int *pages, int page_size, int nheads, int nkv, float scale_log2) {
+	extern __shared__ __align__(16) unsigned char f2_smem[];
+	bf16_t *sm = (bf16_t *)f2_smem; // [stage][K|V][F2_BK][F2_PAD]
+	int b = blockIdx.z, h = blockIdx.y;
+	int L = qlen[b];
+	int qt0 = (gridDim.x - 1 - blockIdx.x) * F2_BQ;
+	if (qt0 >= L) return;
+	int g = h / GQA_GROUP;
+	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
+	int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, tig = lane & 3;
+	int p0 = pos0[b];
+	int r0 = qt0 + warp * 16 + gid, r1 = r0 + 8;
+	const bf16_t *qb = q + (long long)qstart[b] * QD + h * HEAD_DIM;
+	int rr0 = min(r0, L - 1), rr1 = min(r1, L - 1);
+	u32 qf[HEAD_DIM / 16][4];
+#pragma unroll
+	for (int kk = 0; kk < HEAD_DIM / 16; kk++) {
+		qf[kk][0] = *(const u32 *)(qb + (long long)rr0 * QD + kk * 16 + tig * 2);
+		qf[kk][1] = *(const u32 *)(qb + (long long)rr1 * QD + kk * 16 + tig * 2);
+		qf[kk][2] = *(const u32 *)(qb + (long long)rr0 * QD + kk * 16 + 8 + tig * 2);
+		qf[kk][3] = *(const u32 *)(qb + (long long)rr1 * QD + kk * 16 + 8 + tig * 2);
+	}
+	float o[HEAD_DIM / 8][4];
+#pragma unroll
+	for (int nd = 0; nd < HEAD_DIM / 8; nd++) o[nd][0] = o[nd][1] = o[nd][2] = o[nd][3] = 0.f;
+	float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.f, l1 = 0.f;
+	int qp0 = p0 + r0, qp1 = p0 + r1;
+	int wmin = p0 + qt0 + warp * 16, wmax = wmin + 15;
+	int kend = p0 + min(qt0 + F2_BQ, L);
+	int nkt = (kend + F2_BK - 1) / F2_BK;
+	const int *pt = pages + ptoff[b];
+	const int CH = HEAD_DIM / 8;
+	const int NT = FA2_WARPS * 32;
+	auto load_tile = [&](int kt, int stage) {
+		bf16_t *Ks = sm + stage * 2 * F2_TILE, *Vs = Ks + F2_TILE;
+		int k0 = kt * F2_BK;
+#pragma unroll
+		for (int i = 0; i < (F2_BK * CH + NT - 1) / NT; i++) {
+			int cidx = threadIdx.x + i * NT;
+			if (cidx < F2_BK * CH) {
+				int r = cidx / CH, cc = (cidx % CH) * 8;
+				int key = k0 + r;
+				int ok = key < kend;
+				long long off = ok ? (long long)pt[key / page_size] * page_size * KVD +
+						(long long)(key % page_size) * KVD + g * HEAD_DIM + cc
+						   : 0;
+				int nbytes = ok ? 16 : 0;
+				asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(Ks + r * F2_PAD + cc)),
+					"l"(kc + off), "r"(nbytes));
+				asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(Vs + r * F2_PAD + cc)),
+					"l"(vc + off), "r"(nbytes));
+			}
+		}
+		asm volatile("cp.async.commit_group;\n" ::);
+	};
+	load_tile(0, 0);
+	for (int kt = 0; kt < nkt; kt++) {
+		if (kt + 1 < nkt) {
+			load_tile(kt + 1, (kt + 1) & 1);
+			asm volatile("cp.async.wait_group 1;\n" ::);
+		} else {
+			asm volatile("cp.async.wait_group 0;\n" ::);
+		}
+		__syncthreads();
+		int k0 = kt * F2_BK;
+		if (k0 <= wmax) {
+			const bf16_t *Ks = sm + (kt & 1) * 2 * F2_TILE, *Vs = Ks + F2_TILE;
+			float s[F2_BK / 8][4];
+#pragma unroll
+			for (int nb = 0; nb < F2_BK / 8; nb++) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.f;
+#pragma unroll
+			for (int kk2 = 0; kk2 < HEAD_DIM / 32; kk2++) {
+#pragma unroll
+				for (int nb = 0; nb < F2_BK / 8; nb++) {
+					u32 kb[4];
+					u32 a = smem_u32(Ks + (nb * 8 + (lane & 7)) * F2_PAD + kk2 * 32 + (lane >> 3) * 8);
+					asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+						     : "=r"(kb[0]), "=r"(kb[1]), "=r"(kb[2]), "=r"(kb[3])
+						     : "r"(a));
+					mma16816(s[nb], qf[2 * kk2], kb);
+					mma16816(s[nb], qf[2 * kk2 + 1], kb + 2);
+				}
+			}
+			bool diag = k0 + F2_BK - 1 > wmin;
+			float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+			for (int nb = 0; nb < F2_BK / 8; nb++) {
+#pragma unroll
+				for (int e = 0; e < 2; e++) {
+					int key = k0 + nb * 8 + tig * 2 + e;
+					float v0 = s[nb][e] * scale_log2, v1 = s[nb][2 + e] * scale_log2;
+					if (diag) {
+						if (key > qp0) v0 = NEG_INF;
+						if (key > qp1) v1 = NEG_INF;
+					}
+					s[nb][e] = v0;
+					s[nb][2 + e] = v1;
+					mx0 = fmaxf(mx0, v0);
+					mx1 = fmaxf(mx1, v1);
+				}
+			}
+			mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+			mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+			mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+			mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+			float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+			float c0 = exp2f(m0 - mn0), c1 = exp2f(m1 - mn1);
+			l0 *= c0;
+			l1 *= c1;
+#pragma unroll
+			for (int nd = 0; nd < HEAD_DIM / 8; nd++) {
+				o[nd][0] *= c0;
+				o[nd][1] *= c0;
+				o[nd][2] *= c1;
+				o[nd][3] *= c1;
+			}
+#pragma unroll
+			for (int nb = 0; nb < F2_BK / 8; nb++) {
+				s[nb][0] = exp2f(s[nb][0] - mn0);
+				s[nb][1] = exp2f(s[nb][1] - mn0);
+				s[nb][2] = exp2f(s[nb][2] - mn1);
+				s[nb][3] = exp2f(s[nb][3] - mn1);
+				l0 += s[nb][0] + s[nb][1];
+				l1 += s[nb][2] + s[nb][3];
+			}
+			m0 = mn0;
+			m1 = mn1;
+#pragma unroll
+			for (int kk = 0; kk < F2_BK / 16; kk++) {
+				u32 pa[4];
+				pa[0] = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
+				pa[1] = pack_bf16(s[2 * kk][2], s[2 * kk][3]);
+				pa[2] = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+				pa[3] = pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+				for (int nd2 = 0; nd2 < HEAD_DIM / 16; nd2++) {
+					u32 vb[4];
+					u32 a = smem_u32(Vs + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * F2_PAD + nd2 * 16 +
+						(lane >> 4) * 8);
+					asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+						     : "=r"(vb[0]), "=r"(vb[1]), "=r"(vb[2]), "=r"(vb[3])
+						     : "r"(a));
+					mma16816(o[2 * nd2], pa, vb);
+					mma16816(o[2 * nd2 + 1], pa, vb + 2);
+				}
+			}
+		}
+		__syncthreads();
+	}
+	l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+	l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+	l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+	l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+	float i0 = 1.f / l0, i1 = 1.f / l1;
+	bf16_t *ob = out + (long long)qstart[b] * QD + h * HEAD_DIM;
+	if (r0 < L) {
+#pragma unroll
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++)
+			*(u32 *)(ob + (long long)r0 * QD + nd * 8 + tig * 2) = pack_bf16(o[nd][0] * i0, o[nd][1] * i0);
+	}
+	if (r1 < L) {
+#pragma unroll
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++)
+			*(u32 *)(ob + (long long)r1 * QD + nd * 8 + tig * 2) = pack_bf16(o[nd][2] * i1, o[nd][3] * i1);
+	}
+}
+#endif
+#endif // MC_V2

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"math/bits"
 	"sync"
 	"unsafe"
 
@@ -32,7 +33,25 @@ type CopierConfig struct {
 	// HostDescriptors makes the kernel read the descriptors straight from
 	// the mapped pinned staging buffer instead of uploading them first.
 	HostDescriptors bool
+	// Kernel picks the copy kernel: KernelAuto (pages when every block has
+	// the same 16-byte-multiple length and 16-byte-aligned ends, else
+	// chunks), KernelChunks or KernelPages (falls back to chunks when the
+	// batch does not qualify).
+	Kernel CopyKernel
+	// Unroll is how many 16-byte words each thread of the pages kernel has
+	// in flight (default 4; a compile-time constant of the module).
+	Unroll int
 }
+
+// CopyKernel names a copy kernel.
+type CopyKernel string
+
+// Copy kernels.
+const (
+	KernelAuto   CopyKernel = ""
+	KernelChunks CopyKernel = "chunks" // mc_scatter_copy: warp per chunk, any sizes
+	KernelPages  CopyKernel = "pages"  // mc_scatter_pages: flat over equal aligned pages
+)
 
 const descBytes = int(unsafe.Sizeof(copyDesc{})) // sizeof(McCopyDesc) = 32
 
@@ -42,6 +61,7 @@ type copySlot struct {
 	dev     DevicePtr
 	cap     int // descriptors
 	done    *Event
+	up      *Event // the upload into dev finished
 	used    bool
 }
 
@@ -49,15 +69,18 @@ type copySlot struct {
 // (mc_scatter_copy): 16-byte loads and stores, several warps per large
 // block. It is safe for concurrent use; Copy only enqueues work.
 type Copier struct {
-	ctx   *Context
-	mod   *Module
-	fn    *Function
-	fill  *Function
-	cfg   CopierConfig
-	sms   uint32
-	mu    sync.Mutex
-	slots []copySlot
-	next  int
+	ctx       *Context
+	mod       *Module
+	fn        *Function
+	pages     *Function
+	fill      *Function
+	cfg       CopierConfig
+	sms       uint32
+	pagesGrid uint32  // resident CTAs of the pages kernel on the whole GPU
+	upload    *Stream // descriptor uploads, overlapping earlier batches' kernels
+	mu        sync.Mutex
+	slots     []copySlot
+	next      int
 }
 
 // NewCopier loads the copy kernels (through k) into c.
@@ -81,18 +104,42 @@ func NewCopier(c *Context, k *Kernels, cfg CopierConfig) (*Copier, error) {
 	if err != nil {
 		return nil, err
 	}
-	mod, err := k.Load(c, csrc.CopyKernels)
+	if cfg.Unroll == 0 {
+		cfg.Unroll = 4
+	}
+	if cfg.Unroll < 1 || cfg.Unroll > 16 {
+		return nil, fmt.Errorf("cuda: copier: Unroll %d not in 1..16", cfg.Unroll)
+	}
+	switch cfg.Kernel {
+	case KernelAuto, KernelChunks, KernelPages:
+	default:
+		return nil, fmt.Errorf("cuda: copier: unknown kernel %q", cfg.Kernel)
+	}
+	mod, err := k.Load(c, csrc.CopyKernels, fmt.Sprintf("-DMC_PAGES_UNROLL=%d", cfg.Unroll))
 	if err != nil {
 		return nil, err
 	}
 	cp := &Copier{ctx: c, mod: mod, cfg: cfg, sms: uint32(sms), slots: make([]copySlot, cfg.Slots)}
 	if cp.fn, err = mod.Function("mc_scatter_copy"); err == nil {
-		cp.fill, err = mod.Function("mc_fill_pattern")
+		if cp.fill, err = mod.Function("mc_fill_pattern"); err == nil {
+			cp.pages, err = mod.Function("mc_scatter_pages")
+		}
+	}
+	if err == nil {
+		cp.upload, err = c.NewStream(StreamNonBlocking)
 	}
 	if err != nil {
 		mod.Unload()
 		return nil, err
 	}
+	// A flat grid-stride kernel wants exactly the CTAs that fit at once:
+	// a second wave would start late and stretch the tail.
+	per := cfg.CTAsPerSM
+	if regs, rerr := cp.pages.Attribute(FuncAttrNumRegs); rerr == nil && regs > 0 {
+		per = min(per, uint32(65536/(regs*int(cfg.BlockThreads))))
+	}
+	per = min(per, 2048/cfg.BlockThreads)
+	cp.pagesGrid = max(per, 1) * cp.sms
 	return cp, nil
 }
 
@@ -104,7 +151,7 @@ func (cp *Copier) Close() error {
 	for i := range cp.slots {
 		errs = append(errs, cp.freeSlot(&cp.slots[i]))
 	}
-	errs = append(errs, cp.mod.Unload())
+	errs = append(errs, cp.upload.Destroy(), cp.mod.Unload())
 	return errors.Join(errs...)
 }
 
@@ -115,6 +162,9 @@ func (cp *Copier) freeSlot(s *copySlot) error {
 			errs = append(errs, s.done.Synchronize())
 		}
 		errs = append(errs, s.done.Destroy())
+	}
+	if s.up != nil {
+		errs = append(errs, s.up.Destroy())
 	}
 	if s.dev != 0 {
 		errs = append(errs, cp.ctx.MemFree(s.dev))
@@ -156,7 +206,10 @@ func (cp *Copier) slot(n int) (*copySlot, error) {
 			*s = copySlot{}
 			return nil, err
 		}
-		if s.done, err = cp.ctx.NewEvent(EventDisableTiming); err != nil {
+		if s.done, err = cp.ctx.NewEvent(EventDisableTiming); err == nil {
+			s.up, err = cp.ctx.NewEvent(EventDisableTiming)
+		}
+		if err != nil {
 			cp.freeSlot(s)
 			return nil, err
 		}
@@ -167,6 +220,8 @@ func (cp *Copier) slot(n int) (*copySlot, error) {
 
 // Plan is the launch shape Copy would use for a batch.
 type Plan struct {
+	Kernel        CopyKernel // the kernel Copy launches
+	PageBytes     uint64     // KernelPages: every block's length
 	ChunkBytes    uint64
 	TotalChunks   uint64
 	ChunksPerDesc uint64 // non-zero when every descriptor has that many chunks
@@ -205,7 +260,37 @@ func (cp *Copier) Plan(descs []CopyDesc) Plan {
 	}
 	wpb := uint64(block / 32)
 	grid := uint32(min((chunks+wpb-1)/wpb, uint64(maxGrid)))
-	return Plan{ChunkBytes: chunk, TotalChunks: chunks, ChunksPerDesc: per, Grid: max(grid, 1), Block: block}
+	p := Plan{Kernel: KernelChunks, ChunkBytes: chunk, TotalChunks: chunks, ChunksPerDesc: per, Grid: max(grid, 1), Block: block}
+	if cp.cfg.Kernel != KernelChunks && pagesFit(descs) {
+		vecs := total / 16
+		u := uint64(max(cp.cfg.Unroll, 1))
+		pg := cp.pagesGrid
+		if pg == 0 {
+			pg = maxGrid
+		}
+		threads := (vecs + u - 1) / u
+		g := uint32(min((threads+uint64(block)-1)/uint64(block), uint64(pg)))
+		p.Kernel, p.PageBytes, p.Grid = KernelPages, descs[0].Len, max(g, 1)
+	}
+	return p
+}
+
+// pagesFit reports whether the pages kernel can copy descs: equal non-zero
+// lengths that are multiples of 16, 16-byte-aligned ends.
+func pagesFit(descs []CopyDesc) bool {
+	if len(descs) == 0 {
+		return false
+	}
+	n := descs[0].Len
+	if n == 0 || n%16 != 0 {
+		return false
+	}
+	for _, d := range descs {
+		if d.Len != n || (uint64(d.Src)|uint64(d.Dst))&15 != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // Copy enqueues the batch on s: the descriptors go up through a pinned
@@ -228,28 +313,57 @@ func (cp *Copier) Copy(s *Stream, descs []CopyDesc) error {
 	if err != nil {
 		return err
 	}
-	// The pinned staging buffer is viewed as []copyDesc (amd64/arm64 are
-	// little-endian, as the GPU is).
-	out := unsafe.Slice((*copyDesc)(sl.host.Ptr()), len(descs))
-	var first uint64
-	for i, d := range descs {
-		out[i] = copyDesc{src: uint64(d.Src), dst: uint64(d.Dst), len: d.Len, firstChunk: first}
-		if p.ChunksPerDesc != 0 {
-			first += p.ChunksPerDesc
-		} else {
-			first += max((d.Len+p.ChunkBytes-1)/p.ChunkBytes, 1)
+	// The pinned staging buffer is viewed as []copyDesc, or as (src, dst)
+	// pairs for the pages kernel (amd64/arm64 are little-endian, as the
+	// GPU is).
+	nbytes := uint64(len(descs) * descBytes)
+	if p.Kernel == KernelPages {
+		out := unsafe.Slice((*[2]uint64)(sl.host.Ptr()), len(descs))
+		for i, d := range descs {
+			out[i] = [2]uint64{uint64(d.Src), uint64(d.Dst)}
+		}
+		nbytes = uint64(len(descs) * 16)
+	} else {
+		out := unsafe.Slice((*copyDesc)(sl.host.Ptr()), len(descs))
+		var first uint64
+		for i, d := range descs {
+			out[i] = copyDesc{src: uint64(d.Src), dst: uint64(d.Dst), len: d.Len, firstChunk: first}
+			if p.ChunksPerDesc != 0 {
+				first += p.ChunksPerDesc
+			} else {
+				first += max((d.Len+p.ChunkBytes-1)/p.ChunkBytes, 1)
+			}
 		}
 	}
 	dp := sl.hostDev
 	if !cp.cfg.HostDescriptors {
+		// Upload on the copier's own stream, so it overlaps kernels already
+		// queued on s; s waits for this upload only.
 		dp = sl.dev
-		if err := s.MemcpyHtoD(sl.dev, sl.host.Ptr(), uint64(len(descs)*descBytes)); err != nil {
+		if err := cp.upload.MemcpyHtoD(sl.dev, sl.host.Ptr(), nbytes); err != nil {
+			return err
+		}
+		if err := sl.up.Record(cp.upload); err != nil {
+			return err
+		}
+		if err := s.WaitEvent(sl.up); err != nil {
 			return err
 		}
 	}
 	var a Args
-	a.Ptr(dp).U32(uint32(len(descs))).U64(p.ChunkBytes).U64(p.TotalChunks).U64(p.ChunksPerDesc)
-	if err := s.LaunchArgs(cp.fn, D1(p.Grid), D1(p.Block), 0, &a); err != nil {
+	fn := cp.fn
+	if p.Kernel == KernelPages {
+		fn = cp.pages
+		vecs := p.PageBytes / 16
+		shift := int32(-1)
+		if vecs&(vecs-1) == 0 {
+			shift = int32(bits.TrailingZeros64(vecs))
+		}
+		a.Ptr(dp).U64(vecs).I32(shift).U64(vecs * uint64(len(descs)))
+	} else {
+		a.Ptr(dp).U32(uint32(len(descs))).U64(p.ChunkBytes).U64(p.TotalChunks).U64(p.ChunksPerDesc)
+	}
+	if err := s.LaunchArgs(fn, D1(p.Grid), D1(p.Block), 0, &a); err != nil {
 		return err
 	}
 	if err := sl.done.Record(s); err != nil {

@@ -95,8 +95,10 @@ func TestBench8B(t *testing.T) {
 		name string
 		tu   tuning
 	}{
-		{"split256", tuning{}},
-		{"split128", tuning{split: 128, threads: 256}},
+		{"v2", tuning{}},
+		{"v2-flash4warps", tuning{flashWarps: 4}},
+		{"v2-cublas-decode", tuning{gemvMax: -1}},
+		{"v1", tuning{noV2: true, split: 256}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
 			lines = append(lines, "variant "+v.name+fmt.Sprintf(" %+v", v.tu))
@@ -115,14 +117,27 @@ func TestBench8B(t *testing.T) {
 }
 
 func bench8B(t *testing.T, cfg model.Config, tu tuning) []string {
-	const ps, batch, ctxLen = 64, 32, 1024
+	const ps, batch = 64, 32
 	pagesPer := (8192+64)/ps + 1
 	t0 := time.Now()
 	b := newOrSkip(t, &model.Model{Config: cfg, Random: true}, Options{PageSize: ps, Pages: batch * pagesPer, RandomWeights: true, Seed: 1, tune: tu})
 	defer b.Close()
 	t.Logf("loaded (random bf16 weights on the GPU, %.2f GB; KV pool %.2f GB) in %v; flash prefill %v",
 		float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, time.Since(t0), b.flash)
-	for _, f := range []*cu.Function{b.fn.attnFlash, b.fn.attnSplit, b.fn.ropeKV, b.fn.gemmF32} {
+	return benchOn(t, b, cfg)
+}
+
+// benchOn times prefill 1K/4K/8K and decode steps at batch 1 and 32 (ctx
+// 1K) on b, whose pool must hold 32 sequences of 130 pages of 64.
+func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
+	const ps, batch, ctxLen = 64, 32, 1024
+	pagesPer := (8192+64)/ps + 1
+	if b.fn.v2Err != nil {
+		t.Logf("second-generation kernels not used: %v", b.fn.v2Err)
+	}
+	t.Logf("kernels: flash2 %v (%d warps), decode %v, gemv<=%d %v", b.fn.attnFlash2 != nil, b.fn.flash2Warps,
+		b.fn.attnDecode != nil, b.fn.gemvMax, b.fn.gemvF32 != nil)
+	for _, f := range []*cu.Function{b.fn.attnFlash, b.fn.attnFlash2, b.fn.attnSplit, b.fn.attnDecode, b.fn.gemvF32, b.fn.ropeKV, b.fn.gemmF32} {
 		if f == nil {
 			continue
 		}

@@ -243,6 +243,14 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		return
 	}
 	b := r.b
+	if !b.opts.BatchInvariant && n <= b.fn.gemvMax && b.fn.gemvF32 != nil && in%8 == 0 {
+		f := b.fn.gemvT
+		if yF32 {
+			f = b.fn.gemvF32
+		}
+		r.launch(f, cu.D1(uint32((out+7)/8)), cu.D1(256), 0, y, x, w, int32(n), int32(out), int32(in), beta)
+		return
+	}
 	if b.opts.BatchInvariant {
 		f := b.fn.gemmT
 		if yF32 {
@@ -334,7 +342,12 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		r.gemm(s.qkv.p, true, s.xb.p, w.wqkv, n, qd+2*kvd, dim, 0)
 		r.launch(b.fn.ropeKV, cu.D1(nb), cu.D1(128), 0, s.q.p, kc, vc, s.qkv.p, w.bqkv, meta(p.pos),
 			s.meta.p+cu.DevicePtr(p.slot*8), b.rope, int32(c.Heads), int32(c.KVHeads), interleaved)
-		if p.np > 0 {
+		if p.np > 0 && b.fn.attnFlash2 != nil {
+			bq := 16 * b.fn.flash2Warps
+			r.launch(b.fn.attnFlash2, cu.Dim3{X: uint32((p.maxPrefill + bq - 1) / bq), Y: uint32(c.Heads), Z: uint32(p.np)},
+				cu.D1(uint32(32*b.fn.flash2Warps)), uint32(b.fn.flash2Smem), s.att.p, s.q.p, kc, vc, meta(p.pStart), meta(p.pLen),
+				meta(p.pPos0), meta(p.pPtoff), meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), scaleLog2)
+		} else if p.np > 0 {
 			r.launch(b.fn.attnFlash, cu.Dim3{X: uint32((p.maxPrefill + 63) / 64), Y: uint32(c.Heads), Z: uint32(p.np)},
 				cu.D1(128), 0, s.att.p, s.q.p, kc, vc, meta(p.pStart), meta(p.pLen), meta(p.pPos0), meta(p.pPtoff),
 				meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), scaleLog2)
@@ -342,7 +355,11 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		partML := s.part.p + cu.DevicePtr(uint64(qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4)
 		for q0 := 0; q0 < p.ng; q0 += qchunk {
 			cnt := uint32(min(qchunk, p.ng-q0))
-			r.launch(b.fn.attnSplit, cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}, cu.D1(uint32(b.fn.attThreads)), 0,
+			af, at := b.fn.attnSplit, uint32(b.fn.attThreads)
+			if b.fn.attnDecode != nil {
+				af, at = b.fn.attnDecode, 128
+			}
+			r.launch(af, cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}, cu.D1(at), 0,
 				s.part.p, partML, s.q.p, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
 				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0), div)
 			r.launch(b.fn.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(b.fn.combineThreads)), 0,

@@ -3,6 +3,10 @@ package cuda
 import (
 	"cmp"
 	"fmt"
+	"strings"
+	"sync"
+
+	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/csrc"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
@@ -12,15 +16,27 @@ import (
 // backend, so a sequence's splits never depend on the batch) and threads per
 // block (ATT_THREADS).
 const (
-	defaultAttSplit   = 256
+	defaultAttSplit   = 128
 	defaultAttThreads = 128
+	defaultGemvMax    = 4 // decode GEMMs of at most this many tokens use gemv_*
+	defaultFlashWarps = 8 // attn_prefill2: 16 query rows per warp
 )
 
 // tuning holds kernel variants for tests and benchmarks; zero values are the
 // defaults.
 type tuning struct {
 	split, threads int // split-K attention shape
+	// gemvMax: 0 default, -1 never use gemv_* (cuBLAS for every GEMM).
+	gemvMax int
+	// flashWarps: 0 default, -1 the first flash kernel (attn_prefill).
+	flashWarps int
+	noDecode   bool // attn_split instead of attn_decode
+	noV2       bool // compile without the second-generation kernels
 }
+
+// v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that
+// each backend does not recompile them.
+var v2Failed sync.Map
 
 // kernels are the functions of the compiled llama kernel set.
 type kernels struct {
@@ -30,6 +46,11 @@ type kernels struct {
 	fillT, fillF, readBW              *cu.Function
 	attThreads, combineThreads        int
 	split                             int
+	// second generation (nil when unavailable or disabled)
+	attnDecode, gemvF32, gemvT, attnFlash2 *cu.Function
+	flash2Warps, flash2Smem                int
+	gemvMax                                int
+	v2Err                                  error // why the MC_V2 build was not used
 }
 
 // kernelOptions are the NVRTC macros that specialise the kernel set to the
@@ -62,7 +83,8 @@ func (b *Backend) kernelOptions() ([]string, error) {
 }
 
 // loadKernels compiles (or finds in the on-disk cache) and loads the llama
-// kernel set for this model and device.
+// kernel set for this model and device: first with the second-generation
+// kernels (MC_V2), and without them if NVRTC rejects that build.
 func (b *Backend) loadKernels() error {
 	opts, err := b.kernelOptions()
 	if err != nil {
@@ -80,8 +102,27 @@ func (b *Backend) loadKernels() error {
 	if err != nil {
 		return fmt.Errorf("cuda backend: %w", err)
 	}
-	if b.mod, err = k.LoadSource(b.cx, csrc.LlamaKernels, src, opts...); err != nil {
-		return fmt.Errorf("cuda backend: kernels: %w", err)
+	tu := b.opts.tune
+	fw := cmp.Or(tu.flashWarps, defaultFlashWarps)
+	v2 := append(append([]string{}, opts...), "-DMC_V2=1", fmt.Sprintf("-DFA2_WARPS=%d", max(fw, 4)))
+	key := strings.Join(v2, " ")
+	useV2 := !tu.noV2
+	if e, failed := v2Failed.Load(key); failed && useV2 {
+		useV2, b.fn.v2Err = false, e.(error)
+	}
+	if useV2 {
+		b.mod, err = k.LoadSource(b.cx, csrc.LlamaKernels, src, v2...)
+		if err != nil {
+			b.lg.Warn("second-generation kernels rejected; using the first set", zap.Error(err))
+			b.fn.v2Err = err
+			v2Failed.Store(key, err)
+			useV2 = false
+		}
+	}
+	if !useV2 {
+		if b.mod, err = k.LoadSource(b.cx, csrc.LlamaKernels, src, opts...); err != nil {
+			return fmt.Errorf("cuda backend: kernels: %w", err)
+		}
 	}
 	get := func(dst **cu.Function, name string) {
 		if err != nil {
@@ -106,5 +147,33 @@ func (b *Backend) loadKernels() error {
 		get(&f.attnFlash, "attn_prefill")
 		b.flash = err == nil
 	}
-	return err
+	if err != nil || !useV2 || !b.bf16 {
+		return err
+	}
+	group := b.cfg.Heads / b.cfg.KVHeads
+	opt := func(dst **cu.Function, name string) {
+		if p, e := b.mod.Function(name); e == nil {
+			*dst = p
+		}
+	}
+	if tu.gemvMax >= 0 {
+		opt(&f.gemvF32, "gemv_f32out")
+		opt(&f.gemvT, "gemv_tout")
+		f.gemvMax = min(cmp.Or(tu.gemvMax, defaultGemvMax), 4)
+	}
+	if !tu.noDecode && 32%(hd/8) == 0 && 4*(group*f.split+4*(256/hd)*group*hd+2*group) <= 48<<10 {
+		opt(&f.attnDecode, "attn_decode")
+	}
+	if fw > 0 && hd%32 == 0 && hd <= 128 {
+		opt(&f.attnFlash2, "attn_prefill2")
+		if f.attnFlash2 != nil {
+			f.flash2Warps = fw
+			f.flash2Smem = 2 * 2 * 64 * (hd + 8) * 2
+			if e := f.attnFlash2.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, f.flash2Smem); e != nil {
+				b.lg.Warn("attn_prefill2: no room for its shared memory", zap.Error(e))
+				f.attnFlash2 = nil
+			}
+		}
+	}
+	return nil
 }
