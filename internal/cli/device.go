@@ -107,7 +107,9 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	b.close = append(b.close, be.Close)
 	b.pages = kvcache.NewAllocator(b.layout.Pages)
 	loc := transfer.Location{Kind: transfer.CUDA, Index: f.baseGPU}
-	var opts []transfer.RegisterOption
+	// GPU memory is reachable by same-machine peers only (nvlink): there
+	// is no network transport for GPU memory in this build (no RDMA).
+	opts := []transfer.RegisterOption{transfer.WithScope(transfer.ScopeSameMachine)}
 	if p := be.KVPool(); p != nil {
 		opts = append(opts, transfer.WithOpaque(p))
 	}
