@@ -27,11 +27,11 @@ func (t *Transport) Submit(ctx context.Context, d *transfer.Descriptor, tasks []
 	for _, k := range tasks {
 		total += k.Len
 	}
-	if total < uint64(t.cfg.ParallelMin) && p.connected() {
-		t.run(ctx, p, tasks, total)
+	if p.connected() && (total < uint64(t.cfg.ParallelMin) || int(t.busy.Load()) >= t.cfg.Copiers) {
+		t.run(ctx, p, tasks, total, false)
 		return
 	}
-	if !t.goTracked(func() { t.run(ctx, p, tasks, total) }) {
+	if !t.goTracked(func() { t.run(ctx, p, tasks, total, true) }) {
 		failAll(tasks, transfer.ErrClosed)
 	}
 }
@@ -66,7 +66,11 @@ func (j *job) copy(off, n int) {
 	}
 }
 
-func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, total uint64) {
+// run copies one batch; parallel allows spreading it over Config.Copiers
+// goroutines.
+func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, total uint64, parallel bool) {
+	t.busy.Add(1)
+	defer t.busy.Add(-1)
 	if !p.connected() {
 		// Connecting blocks: give up when the batch or the transport ends.
 		cctx, cancel := context.WithCancel(ctx)
@@ -115,7 +119,7 @@ func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, to
 		}
 		jobs = append(jobs, j)
 	}
-	if total >= uint64(t.cfg.ParallelMin) && t.cfg.Copiers > 1 {
+	if parallel && total >= uint64(t.cfg.ParallelMin) && t.cfg.Copiers > 1 {
 		copyParallel(ctx, jobs, total, t.cfg.Copiers)
 	} else {
 		for i := range jobs {

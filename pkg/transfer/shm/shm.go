@@ -24,6 +24,7 @@ import (
 	"net"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
@@ -96,6 +97,9 @@ type Transport struct {
 	closed  bool
 
 	wg sync.WaitGroup
+	// busy counts batches being copied; when several submitters already
+	// keep the cores busy, a large batch is copied in its caller too.
+	busy atomic.Int32
 }
 
 var _ transfer.Transport = (*Transport)(nil)
