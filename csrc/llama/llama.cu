@@ -47,6 +47,33 @@ __device__ __forceinline__ void load8(const bf16_t *p, float *o) {
 	o[6] = __uint_as_float(a.w << 16); o[7] = __uint_as_float(a.w & 0xffff0000u);
 }
 
+// store8 writes 8 consecutive elements (16-byte aligned for bf16, 32 for f32);
+// bf16 rounds as st() does. store2: 2 elements (4- / 8-byte aligned).
+__device__ __forceinline__ void store8(float *p, const float *v) {
+	float4 a, b;
+	a.x = v[0]; a.y = v[1]; a.z = v[2]; a.w = v[3];
+	b.x = v[4]; b.y = v[5]; b.z = v[6]; b.w = v[7];
+	*(float4 *)p = a;
+	*(float4 *)(p + 4) = b;
+}
+__device__ __forceinline__ void store8(bf16_t *p, const float *v) {
+	uint4 a;
+	a.x = (u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16);
+	a.y = (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16);
+	a.z = (u32)f2bf(v[4]) | ((u32)f2bf(v[5]) << 16);
+	a.w = (u32)f2bf(v[6]) | ((u32)f2bf(v[7]) << 16);
+	*(uint4 *)p = a;
+}
+__device__ __forceinline__ void store2(float *p, float a, float b) {
+	float2 v;
+	v.x = a;
+	v.y = b;
+	*(float2 *)p = v;
+}
+__device__ __forceinline__ void store2(bf16_t *p, float a, float b) {
+	*(u32 *)p = (u32)f2bf(a) | ((u32)f2bf(b) << 16);
+}
+
 // block_sum and block_max: every thread gets the result; fixed order.
 // blockDim.x must be a multiple of 32; red holds 32 floats.
 __device__ float block_sum(float v, float *red) {
@@ -78,43 +105,114 @@ extern "C" __global__ void embed(float *x, const T *table, const int *tok, int d
 }
 
 // rmsnorm: out[r] = w * (x[src] / rms(x[src])), src = rows ? rows[r] : r.
-// grid rows, block a multiple of 32.
-extern "C" __global__ void rmsnorm(T *out, const float *x, const float *w, const int *rows, int dim, float eps) {
+// grid rows, block a multiple of 32 (at most 1024) that the Go side picks
+// from dim alone (rmsThreads), so a row's reduction order never depends on
+// the batch. With dim % 8 == 0 each thread holds up to RMS_CHUNKS 8-element
+// chunks of x and w in registers, all loads issued before the reduction (one
+// memory round trip per row), and stores 16-byte (bf16) / 32-byte (f32)
+// chunks; chunks beyond RMS_CHUNKS * blockDim (dim > 16384 at 1024 threads)
+// are read again. Other dims take the scalar path.
+#define RMS_CHUNKS 2
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm(T *out, const float *x, const float *w, const int *rows,
+	int dim, float eps) {
 	__shared__ float red[32];
 	int r = blockIdx.x;
 	int src = rows ? rows[r] : r;
 	const float *xr = x + (long long)src * dim;
+	T *orow = out + (long long)r * dim;
+	if ((dim & 7) != 0) {
+		float ss = 0.f;
+		for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+			float v = xr[i];
+			ss += v * v;
+		}
+		ss = block_sum(ss, red);
+		float sc = 1.0f / sqrtf(ss / (float)dim + eps);
+		for (int i = threadIdx.x; i < dim; i += blockDim.x) st(orow, i, w[i] * (sc * xr[i]));
+		return;
+	}
+	int nc = dim >> 3, nt = blockDim.x;
+	float xv[RMS_CHUNKS][8], wv[RMS_CHUNKS][8];
+#pragma unroll
+	for (int k = 0; k < RMS_CHUNKS; k++) {
+		int c = threadIdx.x + k * nt;
+		if (c < nc) {
+			load8(xr + c * 8, xv[k]);
+			load8(w + c * 8, wv[k]);
+		}
+	}
 	float ss = 0.f;
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-		float v = xr[i];
-		ss += v * v;
+#pragma unroll
+	for (int k = 0; k < RMS_CHUNKS; k++) {
+		int c = threadIdx.x + k * nt;
+		if (c < nc) {
+#pragma unroll
+			for (int e = 0; e < 8; e++) ss += xv[k][e] * xv[k][e];
+		}
+	}
+	for (int c = threadIdx.x + RMS_CHUNKS * nt; c < nc; c += nt) {
+		float v[8];
+		load8(xr + c * 8, v);
+#pragma unroll
+		for (int e = 0; e < 8; e++) ss += v[e] * v[e];
 	}
 	ss = block_sum(ss, red);
 	float sc = 1.0f / sqrtf(ss / (float)dim + eps);
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) st(out, (long long)r * dim + i, w[i] * (sc * xr[i]));
+#pragma unroll
+	for (int k = 0; k < RMS_CHUNKS; k++) {
+		int c = threadIdx.x + k * nt;
+		if (c < nc) {
+			float o[8];
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[e] = wv[k][e] * (sc * xv[k][e]);
+			store8(orow + c * 8, o);
+		}
+	}
+	for (int c = threadIdx.x + RMS_CHUNKS * nt; c < nc; c += nt) {
+		float v[8], ww[8], o[8];
+		load8(xr + c * 8, v);
+		load8(w + c * 8, ww);
+#pragma unroll
+		for (int e = 0; e < 8; e++) o[e] = ww[e] * (sc * v[e]);
+		store8(orow + c * 8, o);
+	}
+}
+
+// rope_table: tab[p][i] = (cos, sin)(p * inv_freq[i]) for p < npos, computed
+// in double and rounded to f32 (as the CPU backend's tables): run once at
+// load time. Any grid, any block.
+extern "C" __global__ void rope_table(float2 *tab, const double *inv_freq, int npos) {
+	const int half = HEAD_DIM / 2;
+	long long total = (long long)npos * half;
+	for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+	     k += (long long)gridDim.x * blockDim.x) {
+		int p = (int)(k / half), i = (int)(k % half);
+		double a = (double)p * inv_freq[i];
+		float2 v;
+		v.x = (float)cos(a);
+		v.y = (float)sin(a);
+		tab[k] = v;
+	}
 }
 
 // rope_kv: for token t, adds the bias to its q, k, v (row of qkv, fp32),
 // rotates q and k at position pos[t], writes q to q[t] and k, v into the
-// layer's K and V buffers at element offset slot[t]. grid n, any block.
+// layer's K and V buffers at element offset slot[t]. cos/sin come from the
+// f32 table tab (rope_table) for positions below ntab, else are computed as
+// rope_table does. Grid (n tokens, ceil(items/blockDim)); one thread per item
+// of a token: (nheads+nkv)*HEAD_DIM/2 rotated pairs, then nkv*HEAD_DIM/2
+// pairs of v elements.
 extern "C" __global__ void rope_kv(T *q, T *kc, T *vc, const float *qkv, const float *bias, const int *pos,
-	const long long *slot, const double *inv_freq, int nheads, int nkv, int interleaved) {
+	const long long *slot, const float2 *tab, const double *inv_freq, int ntab, int nheads, int nkv,
+	int interleaved) {
 	const int half = HEAD_DIM / 2;
-	__shared__ float cs[HEAD_DIM / 2], sn[HEAD_DIM / 2];
 	int t = blockIdx.x;
-	double p = (double)pos[t];
-	for (int i = threadIdx.x; i < half; i += blockDim.x) {
-		double a = p * inv_freq[i];
-		cs[i] = (float)cos(a);
-		sn[i] = (float)sin(a);
-	}
-	__syncthreads();
+	int j = blockIdx.y * blockDim.x + threadIdx.x;
 	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM, W = QD + 2 * KVD;
-	const float *row = qkv + (long long)t * W;
-	long long s = slot[t];
 	int npairs = (nheads + nkv) * half;
-	for (int j = threadIdx.x; j < npairs; j += blockDim.x) {
-		int h = j / half, i = j % half;
+	const float *row = qkv + (long long)t * W;
+	if (j < npairs) {
+		int h = j / half, i = j - h * half;
 		int base = h * HEAD_DIM, ia, ib;
 		if (interleaved) {
 			ia = base + 2 * i;
@@ -123,26 +221,41 @@ extern "C" __global__ void rope_kv(T *q, T *kc, T *vc, const float *qkv, const f
 			ia = base + i;
 			ib = base + i + half;
 		}
+		int p = pos[t];
+		float c, sv;
+		if (p < ntab) {
+			float2 cs = tab[(long long)p * half + i];
+			c = cs.x;
+			sv = cs.y;
+		} else {
+			double a = (double)p * inv_freq[i];
+			c = (float)cos(a);
+			sv = (float)sin(a);
+		}
 		float a = row[ia], b = row[ib];
 		if (bias) {
 			a += bias[ia];
 			b += bias[ib];
 		}
-		float c = cs[i], sv = sn[i];
 		float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sv));
 		float rb = __fadd_rn(__fmul_rn(a, sv), __fmul_rn(b, c));
 		if (h < nheads) {
 			st(q, (long long)t * QD + ia, ra);
 			st(q, (long long)t * QD + ib, rb);
 		} else {
+			long long s = slot[t];
 			st(kc, s + (ia - QD), ra);
 			st(kc, s + (ib - QD), rb);
 		}
-	}
-	for (int j = threadIdx.x; j < KVD; j += blockDim.x) {
-		float v = row[QD + KVD + j];
-		if (bias) v += bias[QD + KVD + j];
-		st(vc, s + j, v);
+	} else if (j < npairs + KVD / 2) {
+		int e = 2 * (j - npairs);
+		float2 v = *(const float2 *)(row + QD + KVD + e);
+		if (bias) {
+			float2 bb = *(const float2 *)(bias + QD + KVD + e);
+			v.x += bb.x;
+			v.y += bb.y;
+		}
+		store2(vc + slot[t] + e, v.x, v.y);
 	}
 }
 
@@ -447,13 +560,29 @@ extern "C" __global__ void __launch_bounds__(128) attn_prefill(bf16_t *out, cons
 }
 #endif
 
-// silu_mul: h[t][i] = silu(gu[t][i]) * gu[t][hidden+i].
-extern "C" __global__ void silu_mul(T *h, const T *gu, int hidden, long long total) {
-	long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-	if (i >= total) return;
-	long long t = i / hidden, j = i % hidden;
-	float g = ld(gu, t * 2 * hidden + j), u = ld(gu, t * 2 * hidden + hidden + j);
-	st(h, i, g * (1.0f / (1.0f + expf(-g))) * u);
+// silu_mul: h[t][i] = silu(gu[t][i]) * gu[t][hidden+i]. Grid (n tokens,
+// ceil(hidden/(8*blockDim))) when hidden % 8 == 0: 8 elements per thread,
+// 16-byte bf16 (32-byte f32) loads and stores; else (n, ceil(hidden/blockDim)),
+// one element per thread. No 64-bit index arithmetic per element.
+extern "C" __global__ void silu_mul(T *h, const T *gu, int hidden) {
+	int t = blockIdx.x;
+	int j = blockIdx.y * blockDim.x + threadIdx.x;
+	const T *g = gu + (long long)t * 2 * hidden;
+	T *o = h + (long long)t * hidden;
+	if ((hidden & 7) == 0) {
+		int i = j * 8;
+		if (i >= hidden) return;
+		float gv[8], uv[8], r[8];
+		load8(g + i, gv);
+		load8(g + hidden + i, uv);
+#pragma unroll
+		for (int e = 0; e < 8; e++) r[e] = gv[e] * (1.0f / (1.0f + expf(-gv[e]))) * uv[e];
+		store8(o + i, r);
+		return;
+	}
+	if (j >= hidden) return;
+	float gg = ld(g, j), u = ld(g, hidden + j);
+	st(o, j, gg * (1.0f / (1.0f + expf(-gg))) * u);
 }
 
 // gemm_*: Y[n][out] = X[n][in] . W[out][in]^T (+ beta*Y), fp32 accumulation

@@ -99,13 +99,18 @@ type Backend struct {
 	kvPool *cu.Pool     // VMM pool (nil when the fallback allocation is used)
 	kvBase cu.DevicePtr // KV pool base address
 	kvSize uint64
-	kvOwn  bool // kvBase from MemAlloc
-	flash  bool // tensor-core prefill attention available
-	rope   cu.DevicePtr
+	kvOwn  bool         // kvBase from MemAlloc
+	flash  bool         // tensor-core prefill attention available
+	rope   cu.DevicePtr // RoPE inverse frequencies, f64 [HeadDim/2]
 	allocs []cu.DevicePtr
 	s      scratch
 	mu     sync.Mutex
 	closed bool
+
+	// ropeTab is the f32 (cos, sin) table [ropeN positions][HeadDim/2] that
+	// rope_kv reads (made by rope_table at load time).
+	ropeTab cu.DevicePtr
+	ropeN   int
 }
 
 // New loads m onto GPU opts.Device. Errors from a missing driver wrap

@@ -329,6 +329,9 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
 	div := float32(math.Sqrt(float64(hd)))
 	layerBytes := cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes()))
+	rmsT := rmsThreads(dim)
+	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
+	siluY := siluBlocks(hid)
 
 	r.launch(b.fn.embed, cu.D1(nb), cu.D1(256), 0, s.x.p, b.w.embed, meta(p.tok), int32(dim))
 	for li := range b.w.layers {
@@ -338,10 +341,11 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		w := &b.w.layers[li]
 		kc := b.kvBase + cu.DevicePtr(2*li)*layerBytes
 		vc := kc + layerBytes
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(256), 0, s.xb.p, s.x.p, w.attnNorm, null, int32(dim), c.NormEps)
+		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, s.xb.p, s.x.p, w.attnNorm, null, int32(dim), c.NormEps)
 		r.gemm(s.qkv.p, true, s.xb.p, w.wqkv, n, qd+2*kvd, dim, 0)
-		r.launch(b.fn.ropeKV, cu.D1(nb), cu.D1(128), 0, s.q.p, kc, vc, s.qkv.p, w.bqkv, meta(p.pos),
-			s.meta.p+cu.DevicePtr(p.slot*8), b.rope, int32(c.Heads), int32(c.KVHeads), interleaved)
+		r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, s.q.p, kc, vc, s.qkv.p, w.bqkv,
+			meta(p.pos), s.meta.p+cu.DevicePtr(p.slot*8), b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads),
+			int32(c.KVHeads), interleaved)
 		if p.np > 0 && b.fn.attnFlash2 != nil {
 			bq := 16 * b.fn.flash2Warps
 			r.launch(b.fn.attnFlash2, cu.Dim3{X: uint32((p.maxPrefill + bq - 1) / bq), Y: uint32(c.Heads), Z: uint32(p.np)},
@@ -366,17 +370,16 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 				s.att.p, s.part.p, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
 		}
 		r.gemm(s.x.p, true, s.att.p, w.wo, n, dim, qd, 1)
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(256), 0, s.xb.p, s.x.p, w.ffnNorm, null, int32(dim), c.NormEps)
+		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, s.xb.p, s.x.p, w.ffnNorm, null, int32(dim), c.NormEps)
 		r.gemm(s.gu.p, false, s.xb.p, w.w13, n, 2*hid, dim, 0)
-		total := int64(n) * int64(hid)
-		r.launch(b.fn.siluMul, cu.D1(uint32((total+255)/256)), cu.D1(256), 0, s.h.p, s.gu.p, int32(hid), total)
+		r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, s.h.p, s.gu.p, int32(hid))
 		r.gemm(s.x.p, true, s.h.p, w.w2, n, dim, hid, 1)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: layer %d: %w", li, r.err)
 		}
 	}
 	if m > 0 {
-		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(256), 0, s.lx.p, s.x.p, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
+		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsT), 0, s.lx.p, s.x.p, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
 		r.gemm(s.logits.p, true, s.lx.p, b.w.lmHead, m, c.Vocab, dim, 0)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: logits: %w", r.err)

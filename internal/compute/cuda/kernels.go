@@ -40,7 +40,7 @@ var v2Failed sync.Map
 
 // kernels are the functions of the compiled llama kernel set.
 type kernels struct {
-	embed, rmsnorm, ropeKV            *cu.Function
+	embed, rmsnorm, ropeKV, ropeTable *cu.Function
 	attnSplit, attnCombine, attnFlash *cu.Function
 	siluMul, gemmF32, gemmT           *cu.Function
 	fillT, fillF, readBW              *cu.Function
@@ -51,6 +51,43 @@ type kernels struct {
 	flash2Warps, flash2Smem                int
 	gemvMax                                int
 	v2Err                                  error // why the MC_V2 build was not used
+}
+
+// Launch shapes of the small kernels.
+const (
+	ropeThreads = 256 // rope_kv: one thread per rotated pair (or pair of v elements)
+	siluThreads = 256 // silu_mul: 8 elements per thread when hidden % 8 == 0
+	// ropeTabMax caps the positions of the f32 cos/sin table (8 bytes per
+	// pair and position); rope_kv computes larger positions on the fly.
+	ropeTabMax = 1 << 20
+)
+
+// rmsThreads is rmsnorm's block size for rows of dim elements: a function of
+// dim alone (the reduction order must not depend on the batch). With dim % 8
+// == 0 each thread holds up to 2 chunks of 8 elements (RMS_CHUNKS in
+// llama.cu); dim 4096 gets 256 threads.
+func rmsThreads(dim int) uint32 {
+	if dim%8 != 0 {
+		return 256
+	}
+	t := (dim/8 + 1) / 2
+	t = (t + 31) / 32 * 32
+	return uint32(min(max(t, 32), 1024))
+}
+
+// ropeBlocks is rope_kv's grid height: items per token over ropeThreads.
+func ropeBlocks(heads, kvHeads, headDim int) uint32 {
+	items := (heads+kvHeads)*headDim/2 + kvHeads*headDim/2
+	return uint32((items + ropeThreads - 1) / ropeThreads)
+}
+
+// siluBlocks is silu_mul's grid height for a hidden size.
+func siluBlocks(hidden int) uint32 {
+	per := 1
+	if hidden%8 == 0 {
+		per = 8
+	}
+	return uint32((hidden + per*siluThreads - 1) / (per * siluThreads))
 }
 
 // kernelOptions are the NVRTC macros that specialise the kernel set to the
@@ -134,6 +171,7 @@ func (b *Backend) loadKernels() error {
 	get(&f.embed, "embed")
 	get(&f.rmsnorm, "rmsnorm")
 	get(&f.ropeKV, "rope_kv")
+	get(&f.ropeTable, "rope_table")
 	get(&f.attnSplit, "attn_split")
 	get(&f.attnCombine, "attn_combine")
 	get(&f.siluMul, "silu_mul")

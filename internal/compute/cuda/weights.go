@@ -153,7 +153,18 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 	if b.rope, err = b.alloc(uint64(len(inv)) * 8); err != nil {
 		return err
 	}
-	return b.cx.MemcpyHtoD(b.rope, unsafe.Slice((*byte)(unsafe.Pointer(&inv[0])), len(inv)*8))
+	if err = b.cx.MemcpyHtoD(b.rope, unsafe.Slice((*byte)(unsafe.Pointer(&inv[0])), len(inv)*8)); err != nil {
+		return err
+	}
+	// The f32 cos/sin table of rope_kv, made on the GPU in double precision
+	// (the values the kernel used to compute per token).
+	b.ropeN = min(c.MaxSeqLen, ropeTabMax)
+	pairs := uint64(b.ropeN) * uint64(len(inv))
+	if b.ropeTab, err = b.alloc(pairs * 8); err != nil {
+		return err
+	}
+	blocks := uint32(min((pairs+255)/256, 4096))
+	return b.cx.DefaultStream().Launch(b.fn.ropeTable, cu.D1(blocks), cu.D1(256), 0, b.ropeTab, b.rope, int32(b.ropeN))
 }
 
 // fill runs a fill_random kernel over n elements at p.
