@@ -46,6 +46,9 @@ func (a *Allocator) Alloc(n int) ([]int32, error) {
 		pages[i] = p
 	}
 	a.free = a.free[:k]
+	if invariants {
+		a.checkLocked()
+	}
 	return pages, nil
 }
 
@@ -80,7 +83,27 @@ func (a *Allocator) Release(pages []int32) error {
 			a.free = append(a.free, p)
 		}
 	}
+	if invariants {
+		a.checkLocked()
+	}
 	return nil
+}
+
+// checkLocked panics if the free list and the reference counts disagree:
+// every page is either free (count 0, on the list once) or in use.
+func (a *Allocator) checkLocked() {
+	onList := make([]bool, len(a.refs))
+	for _, p := range a.free {
+		if onList[p] || a.refs[p] != 0 {
+			panic(fmt.Sprintf("kvcache: page %d on the free list twice or with %d references", p, a.refs[p]))
+		}
+		onList[p] = true
+	}
+	for p, r := range a.refs {
+		if r < 0 || (r == 0) != onList[p] {
+			panic(fmt.Sprintf("kvcache: page %d has %d references, on free list %v", p, r, onList[p]))
+		}
+	}
 }
 
 func (a *Allocator) check(p int32) error {
