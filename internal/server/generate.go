@@ -156,18 +156,8 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request) {
 	rn := s.begin("generate")
 	var err error
 	defer func() { rn.end(err) }()
-	if e := s.gate(); e != nil {
-		rn.fail(w, e)
-		return
-	}
-	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
-	if e != nil {
-		rn.fail(w, e)
-		return
-	}
-	sp, e := decodeGenerate(body)
-	if e != nil {
-		rn.fail(w, e)
+	sp, ok := accept(s, w, r, rn, decodeGenerate)
+	if !ok {
 		return
 	}
 	req, maxZero, e := s.build(sp)

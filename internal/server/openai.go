@@ -422,18 +422,8 @@ func (s *Server) modelOf(o *openaiSpec) string {
 func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 	rn := s.begin("completions")
 	defer func() { rn.end(nil) }()
-	if e := s.gate(); e != nil {
-		rn.fail(w, e)
-		return
-	}
-	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
-	if e != nil {
-		rn.fail(w, e)
-		return
-	}
-	o, e := decodeCompletion(body)
-	if e != nil {
-		rn.fail(w, e)
+	o, ok := accept(s, w, r, rn, decodeCompletion)
+	if !ok {
 		return
 	}
 	if e := s.openaiPrepare(r, rn, o); e != nil {
@@ -491,18 +481,8 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	rn := s.begin("chat")
 	defer func() { rn.end(nil) }()
-	if e := s.gate(); e != nil {
-		rn.fail(w, e)
-		return
-	}
-	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
-	if e != nil {
-		rn.fail(w, e)
-		return
-	}
-	c, e := decodeChat(body)
-	if e != nil {
-		rn.fail(w, e)
+	c, ok := accept(s, w, r, rn, decodeChat)
+	if !ok {
 		return
 	}
 	if e := s.render(c); e != nil {

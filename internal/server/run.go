@@ -209,3 +209,25 @@ func (s *Server) gate() *Error {
 
 // elapsed is seconds since the run started.
 func (rn *run) elapsed() float64 { return time.Since(rn.start).Seconds() }
+
+// accept runs the steps every generation endpoint begins with: readiness,
+// the body cap and decoding. When it returns false the error response has
+// been written.
+func accept[T any](s *Server, w http.ResponseWriter, r *http.Request, rn *run, decode func([]byte) (T, *Error)) (T, bool) {
+	var zero T
+	if e := s.gate(); e != nil {
+		rn.fail(w, e)
+		return zero, false
+	}
+	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
+	if e != nil {
+		rn.fail(w, e)
+		return zero, false
+	}
+	v, e := decode(body)
+	if e != nil {
+		rn.fail(w, e)
+		return zero, false
+	}
+	return v, true
+}
