@@ -13,6 +13,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
@@ -93,19 +94,13 @@ func TestBatchingInvarianceCPU(t *testing.T) {
 
 func loadStories(tb testing.TB) (*model.Model, tokenizer.Tokenizer, string) {
 	tb.Helper()
-	shared := os.Getenv("MOONCAKE_SHARED")
-	if shared == "" {
-		shared = filepath.Join("..", "..", "..", "shared")
-	}
-	dir := filepath.Join(shared, "models", "stories260K")
-	if _, err := os.Stat(dir); err != nil {
-		tb.Skipf("no stories260K model: %v", err)
-	}
-	m, err := model.LoadLlama2C(filepath.Join(dir, "stories260K.bin"))
+	bin, tokPath := sharedtest.Stories260K(tb)
+	shared := sharedtest.Dir(tb)
+	m, err := model.LoadLlama2C(bin)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	tok, err := tokenizer.LoadLlama2C(filepath.Join(dir, "tok512.bin"), m.Config.Vocab)
+	tok, err := tokenizer.LoadLlama2C(tokPath, m.Config.Vocab)
 	if err != nil {
 		tb.Fatal(err)
 	}

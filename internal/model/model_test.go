@@ -5,24 +5,11 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 )
 
-func sharedDir(tb testing.TB) string {
-	if d := os.Getenv("MOONCAKE_SHARED"); d != "" {
-		return d
-	}
-	dir, _ := os.Getwd()
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-			return filepath.Join(dir, "..", "shared")
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			tb.Fatal("no go.mod above the test directory")
-		}
-		dir = parent
-	}
-}
+func sharedDir(tb testing.TB) string { return sharedtest.Dir(tb) }
 
 func TestLoadLlama2C(t *testing.T) {
 	p := filepath.Join(sharedDir(t), "models", "stories260K", "stories260K.bin")

@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -17,6 +15,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 	"github.com/mooncake-go/mooncake-go/internal/server"
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
@@ -120,56 +119,34 @@ func TestRealEngineClosed(t *testing.T) {
 	}
 }
 
-// sharedDir is ../shared next to the repository root, or MOONCAKE_SHARED.
-func sharedDir() string {
-	if d := os.Getenv("MOONCAKE_SHARED"); d != "" {
-		return d
-	}
-	return filepath.Join("..", "..", "..", "shared")
-}
-
 // TestStories260KGreedyHTTP checks llama2.c's greedy outputs through /generate,
 // all cases at once (so batched).
 func TestStories260KGreedyHTTP(t *testing.T) {
-	dir := filepath.Join(sharedDir(), "models", "stories260K")
-	raw, err := os.ReadFile(filepath.Join(sharedDir(), "reference", "stories260K-greedy.json"))
-	if err != nil {
-		t.Skipf("reference outputs not found (set MOONCAKE_SHARED): %v", err)
-	}
-	var ref struct {
-		Cases []struct {
-			Prompt    string `json:"prompt"`
-			PromptIDs []int  `json:"prompt_ids"`
-			Greedy    []int  `json:"greedy_next_ids"`
-			Text      string `json:"text"`
-		} `json:"cases"`
-	}
-	if err := json.Unmarshal(raw, &ref); err != nil {
-		t.Fatal(err)
-	}
-	m, err := model.Load(filepath.Join(dir, "stories260K.bin"))
+	bin, tokPath := sharedtest.Stories260K(t)
+	cases := sharedtest.Reference(t)
+	m, err := model.Load(bin)
 	if err != nil {
 		t.Fatal(err)
 	}
-	tok, err := tokenizer.Load(filepath.Join(dir, "stories260K.bin"), filepath.Join(dir, "tok512.bin"))
+	tok, err := tokenizer.Load(bin, tokPath)
 	if err != nil {
 		t.Fatal(err)
 	}
 	e := newEngineFor(t, m, tok, 0)
 	ts, _ := newServer(t, server.Config{Generator: e, Tokenizer: e.Tokenizer(), ContextLen: m.Config.MaxSeqLen})
 	var wg sync.WaitGroup
-	for _, c := range ref.Cases {
+	for _, c := range cases {
 		wg.Go(func() {
 			body, _ := json.Marshal(map[string]any{"text": c.Prompt,
-				"sampling_params": map[string]any{"max_new_tokens": len(c.Greedy), "temperature": 0}})
+				"sampling_params": map[string]any{"max_new_tokens": len(c.GreedyNextIDs), "temperature": 0}})
 			status, b := post(t, ts.URL+"/generate", string(body))
 			var g generateJSON
 			if err := json.Unmarshal(b, &g); err != nil || status != 200 {
 				t.Errorf("%q: status %d: %s", c.Prompt, status, b)
 				return
 			}
-			if fmt.Sprint(g.OutputIDs) != fmt.Sprint(c.Greedy) {
-				t.Errorf("%q: output_ids\n got %v\nwant %v", c.Prompt, g.OutputIDs, c.Greedy)
+			if fmt.Sprint(g.OutputIDs) != fmt.Sprint(c.GreedyNextIDs) {
+				t.Errorf("%q: output_ids\n got %v\nwant %v", c.Prompt, g.OutputIDs, c.GreedyNextIDs)
 			}
 			if g.MetaInfo.PromptTokens != len(c.PromptIDs) {
 				t.Errorf("%q: prompt_tokens %d, want %d", c.Prompt, g.MetaInfo.PromptTokens, len(c.PromptIDs))

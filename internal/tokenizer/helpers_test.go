@@ -1,9 +1,10 @@
 package tokenizer
 
 import (
-	"os"
 	"path/filepath"
 	"testing"
+
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 )
 
 // repoRoot is two levels above this package.
@@ -16,15 +17,5 @@ func repoRoot(t testing.TB) string {
 	return r
 }
 
-// sharedDir finds ../shared (or $MOONCAKE_SHARED) and skips the test if it is absent.
-func sharedDir(t testing.TB) string {
-	t.Helper()
-	d := os.Getenv("MOONCAKE_SHARED")
-	if d == "" {
-		d = filepath.Join(repoRoot(t), "..", "shared")
-	}
-	if _, err := os.Stat(d); err != nil {
-		t.Skipf("shared data not found at %s (set MOONCAKE_SHARED): %v", d, err)
-	}
-	return d
-}
+// sharedDir is the shared test data folder (the test skips if absent).
+func sharedDir(t testing.TB) string { return sharedtest.Dir(t) }

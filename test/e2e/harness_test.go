@@ -27,6 +27,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 )
 
 // bin is the mooncake-go binary TestMain built.
@@ -58,16 +60,8 @@ func TestMain(m *testing.M) {
 
 // sharedDir is ../shared (MOONCAKE_SHARED), or skips.
 func sharedDir(t *testing.T) string {
-	t.Helper()
-	d := os.Getenv("MOONCAKE_SHARED")
-	if d == "" {
-		root, _ := filepath.Abs("../..")
-		d = filepath.Join(filepath.Dir(root), "shared")
-	}
-	if _, err := os.Stat(filepath.Join(d, "models", "stories260K", "stories260K.bin")); err != nil {
-		t.Skipf("shared files not found (%v); set MOONCAKE_SHARED to the shared folder", err)
-	}
-	return d
+	sharedtest.Stories260K(t)
+	return sharedtest.Dir(t)
 }
 
 func freePort(t *testing.T) int {

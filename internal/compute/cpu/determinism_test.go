@@ -7,63 +7,12 @@ import (
 	"testing"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/compute/computetest"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
-// runBatch runs all prompts together: each forward pass carries, for every
-// unfinished sequence, its next prompt chunk (chunks[i] tokens; 0 = the
-// whole prompt) or one greedy decode token. It returns, per sequence, the
-// logits after its prompt and after each of steps decode tokens.
 func runBatch(tb testing.TB, b *Backend, prompts [][]int32, chunks []int, steps, pagesPer int) [][][]float32 {
-	V := b.Config().Vocab
-	type state struct {
-		pos    int
-		logits [][]float32
-	}
-	st := make([]state, len(prompts))
-	for {
-		var seqs []compute.Seq
-		var idx []int
-		for i, p := range prompts {
-			s := &st[i]
-			if len(s.logits) == steps+1 {
-				continue
-			}
-			var toks []int32
-			if s.pos < len(p) {
-				ck := chunks[i]
-				if ck <= 0 {
-					ck = len(p)
-				}
-				toks = p[s.pos:min(s.pos+ck, len(p))]
-			} else {
-				toks = []int32{argmax(s.logits[len(s.logits)-1])}
-			}
-			seqs = append(seqs, compute.Seq{Tokens: toks, Pos: s.pos, Pages: pagesFor(i, pagesPer), Logits: s.pos+len(toks) >= len(p)})
-			idx = append(idx, i)
-		}
-		if len(seqs) == 0 {
-			break
-		}
-		out := make([][]float32, len(seqs))
-		for j := range out {
-			out[j] = make([]float32, V)
-		}
-		if err := b.Forward(context.Background(), seqs, out); err != nil {
-			tb.Fatal(err)
-		}
-		for j, i := range idx {
-			st[i].pos += len(seqs[j].Tokens)
-			if seqs[j].Logits {
-				st[i].logits = append(st[i].logits, out[j])
-			}
-		}
-	}
-	res := make([][][]float32, len(prompts))
-	for i := range st {
-		res[i] = st[i].logits
-	}
-	return res
+	return computetest.RunBatch(tb, b, prompts, chunks, steps, pagesPer)
 }
 
 func sameBits(a, b []float32) bool {

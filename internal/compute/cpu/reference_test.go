@@ -1,9 +1,9 @@
 package cpu
 
 import (
-	"math"
 	"testing"
 
+	"github.com/mooncake-go/mooncake-go/internal/compute/computetest"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
@@ -73,10 +73,4 @@ func TestReferenceGeneric(t *testing.T) {
 	TestDeterminismStories260K(t)
 }
 
-func maxAbsDiff(a, b []float32) float64 {
-	d := 0.0
-	for i := range a {
-		d = math.Max(d, math.Abs(float64(a[i]-b[i])))
-	}
-	return d
-}
+func maxAbsDiff(a, b []float32) float64 { return computetest.MaxAbsDiff(a, b) }
