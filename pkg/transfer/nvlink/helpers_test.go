@@ -2,9 +2,7 @@ package nvlink
 
 // peerState is the initiator state of the peer named seg (nil if none).
 func (t *Transport) peerState(seg string) *peer {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	for _, p := range t.peers {
+	for _, p := range t.peers.All() {
 		if p.desc.Name == seg {
 			return p
 		}

@@ -34,19 +34,16 @@
 package nvlink
 
 import (
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"sync"
 
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
-	"github.com/mooncake-go/mooncake-go/internal/unixfd"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/fdshare"
 )
 
 // Names in descriptors, logs and metrics.
@@ -119,7 +116,7 @@ type Transport struct {
 	cfg    Config
 	h      transfer.Host
 	lg     *zap.Logger
-	ln     *net.UnixListener
+	srv    *fdshare.Server // served regions by id (listening for nvlink only)
 	sock   string
 	inc    string
 	ndev   int
@@ -128,23 +125,17 @@ type Transport struct {
 	why    string // mnnvl: why not
 	info   Info
 
-	ctx    context.Context // canceled by Close
-	cancel context.CancelFunc
+	// peers is the initiator side, by peer incarnation; its goroutines
+	// (batches, kernel completions, readers) are the transport's.
+	peers *fdshare.Peers[*peer]
 
 	devMu sync.Mutex
 	devs  map[int]*device
 
-	mu      sync.Mutex
-	regions map[uint64]*served
-	byReg   map[*transfer.Region]uint64
-	nextID  uint64
-	tickets map[[32]byte]ticket
-	conns   map[*servedConn]struct{}
-	peers   map[string]*peer
-	pinned  map[*transfer.Region]*pin // local host regions registered for the GPU
-	closed  bool
-
-	wg sync.WaitGroup
+	mu     sync.Mutex
+	byReg  map[*transfer.Region]uint64 // served region -> id
+	pinned map[*transfer.Region]*pin   // local host regions registered for the GPU
+	closed bool
 }
 
 var _ transfer.Transport = (*Transport)(nil)
@@ -177,13 +168,14 @@ func newTransport(name string, fabric bool, cfg Config) (*Transport, error) {
 		}
 		buses[i] = normBus(buses[i])
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	return &Transport{
+	t := &Transport{
 		name: name, fabric: fabric, cfg: cfg, lg: zap.NewNop(), ndev: n, buses: buses, active: !fabric,
-		ctx: ctx, cancel: cancel, devs: map[int]*device{},
-		regions: map[uint64]*served{}, byReg: map[*transfer.Region]uint64{}, tickets: map[[32]byte]ticket{},
-		conns: map[*servedConn]struct{}{}, peers: map[string]*peer{}, pinned: map[*transfer.Region]*pin{},
-	}, nil
+		devs:  map[int]*device{},
+		srv:   fdshare.NewServer(fdshare.ServerConfig{Kind: Name, Wire: &wire}),
+		byReg: map[*transfer.Region]uint64{}, pinned: map[*transfer.Region]*pin{},
+	}
+	t.peers = fdshare.NewPeers(t.newPeer, (*peer).shut)
+	return t, nil
 }
 
 // Name implements transfer.Transport.
@@ -210,16 +202,11 @@ func (t *Transport) Start(h transfer.Host) error {
 	if t.fabric {
 		return t.startFabric()
 	}
-	t.sock = "@mooncake-nvlink-" + t.inc
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: t.sock, Net: "unixpacket"})
-	if err != nil {
-		return fmt.Errorf("nvlink: listen on %s: %w", t.sock, err)
+	if err := t.srv.Start(h, t.lg); err != nil {
+		return err
 	}
-	t.ln = ln
+	t.sock = t.srv.Socket()
 	t.info.Socket = t.sock
-	h.Handle(Name, t.serveTicket)
-	t.wg.Add(1)
-	go t.acceptLoop()
 	return nil
 }
 
@@ -239,9 +226,8 @@ func (t *Transport) Active() bool { return t.active }
 // Reason is why the transport is inactive ("" when active).
 func (t *Transport) Reason() string { return t.why }
 
-// served is a region this process serves.
+// served is a region this process serves, as export prepares it.
 type served struct {
-	id       uint64
 	kind     string
 	fd       int // vmm-fd, host: this transport's own fd
 	key      [64]byte
@@ -263,6 +249,16 @@ func (s *served) wireKind() byte {
 	return wireVMMFabric
 }
 
+// item is what the server hands peers for s: its fd (vmm-fd, host) and the
+// map reply's fields.
+func (s *served) item() fdshare.Item {
+	it := fdshare.Item{FD: s.fd, Reply: fdshare.Packet{Kind: s.wireKind(), Offset: s.off, Size: s.size, Gran: s.gran, Key: s.key}}
+	if s.writable {
+		it.Reply.Flags = fdshare.FlagWritable
+	}
+	return it
+}
+
 // RegisterRegion publishes a handle for GPU memory it can export (a
 // cuda.Pool given WithOpaque, or cuMemAlloc memory through legacy IPC) and
 // for memfd-backed host memory; anything else is ErrCannotRegister with the
@@ -275,27 +271,16 @@ func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) 
 	if err != nil {
 		return nil, err
 	}
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		s.release()
-		return nil, transfer.ErrClosed
+	id, err := t.srv.Add(s.item()) // the server owns s.fd now
+	if err != nil {
+		return nil, err
 	}
-	t.nextID++
-	s.id = t.nextID
-	t.regions[s.id] = s
-	t.byReg[r] = s.id
+	t.mu.Lock()
+	t.byReg[r] = id
 	t.mu.Unlock()
-	h.ID = s.id
+	h.ID = id
 	b, _ := json.Marshal(h)
 	return b, nil
-}
-
-func (s *served) release() {
-	if s.fd >= 0 {
-		unix.Close(s.fd)
-		s.fd = -1
-	}
 }
 
 // export prepares what peers need for r.
@@ -317,9 +302,10 @@ func (t *Transport) export(r *transfer.Region) (*served, Handle, error) {
 		if r.HostOffset < 0 || uint64(r.HostOffset)+r.Len > uint64(r.Host.Size()) {
 			return nil, Handle{}, fmt.Errorf("nvlink: region of %d bytes at offset %d does not fit its host memory of %d bytes", r.Len, r.HostOffset, r.Host.Size())
 		}
-		fd, err := shareFD(r.Host.FD(), writable)
+		// Peers that may only read get the memfd reopened read-only.
+		fd, err := fdshare.ShareMemfd(r.Host.FD(), writable)
 		if err != nil {
-			return nil, Handle{}, err
+			return nil, Handle{}, fmt.Errorf("nvlink: %w", err)
 		}
 		s.kind, s.fd, s.off, s.size = KindHost, fd, uint64(r.HostOffset), uint64(r.HostOffset)+r.Len
 		return s, Handle{Kind: KindHost, Device: -1, Size: s.size, Offset: s.off}, nil
@@ -387,50 +373,20 @@ func (t *Transport) export(r *transfer.Region) (*served, Handle, error) {
 	return s, h, nil
 }
 
-// shareFD returns this transport's own fd for a memfd: a duplicate, or the
-// memfd reopened read-only for regions peers may only read.
-func shareFD(fd int, writable bool) (int, error) {
-	if writable {
-		nfd, err := unixfd.Dup(fd)
-		if err != nil {
-			return -1, fmt.Errorf("nvlink: dup memfd: %w", err)
-		}
-		return nfd, nil
-	}
-	nfd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("nvlink: reopen memfd read-only: %w", err)
-	}
-	return nfd, nil
-}
-
 // UnregisterRegion forgets a served region (peers are told to drop it) or a
 // local host region pinned for the GPU.
 func (t *Transport) UnregisterRegion(r *transfer.Region) {
 	t.mu.Lock()
 	id, ok := t.byReg[r]
-	var s *served
-	var conns []*servedConn
-	if ok {
-		s = t.regions[id]
-		delete(t.byReg, r)
-		delete(t.regions, id)
-		for c := range t.conns {
-			conns = append(conns, c)
-		}
-	}
+	delete(t.byReg, r)
 	pn := t.pinned[r]
 	delete(t.pinned, r)
 	t.mu.Unlock()
 	if pn != nil {
 		pn.release()
 	}
-	if !ok {
-		return
-	}
-	s.release()
-	for _, c := range conns {
-		c.revoke(id)
+	if ok {
+		t.srv.Remove(id)
 	}
 }
 
@@ -460,19 +416,13 @@ func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, r
 }
 
 // DropPeer releases a peer incarnation's imports and closes its socket.
-func (t *Transport) DropPeer(d *transfer.Descriptor) {
-	t.mu.Lock()
-	p := t.peers[d.Incarnation]
-	delete(t.peers, d.Incarnation)
-	t.mu.Unlock()
-	if p != nil {
-		p.shut(fmt.Errorf("%w: %s incarnation %s was dropped", transfer.ErrPeerRestarted, d.Name, d.Incarnation))
-	}
-}
+func (t *Transport) DropPeer(d *transfer.Descriptor) { t.peers.Drop(d) }
 
-// Close stops serving, closes every connection, waits for the transport's
-// goroutines (and so for the kernels in flight), then releases imports,
-// pinned host memory, exported fds and the per-GPU streams and copiers.
+// Close stops serving (listener, served connections, exported fds),
+// closes every peer connection and releases its imports once the kernels
+// using them finished, waits for the transport's goroutines (and so for
+// the kernels in flight), then releases pinned host memory and the per-GPU
+// streams and copiers.
 func (t *Transport) Close() error {
 	t.mu.Lock()
 	if t.closed {
@@ -480,35 +430,17 @@ func (t *Transport) Close() error {
 		return nil
 	}
 	t.closed = true
-	conns := t.conns
-	t.conns = map[*servedConn]struct{}{}
-	peers := t.peers
-	t.peers = map[string]*peer{}
-	regions := t.regions
-	t.regions = map[uint64]*served{}
 	t.byReg = map[*transfer.Region]uint64{}
 	pins := t.pinned
 	t.pinned = map[*transfer.Region]*pin{}
 	t.mu.Unlock()
-	t.cancel()
 	var errs []error
-	if t.ln != nil {
-		if e := t.ln.Close(); e != nil && !errors.Is(e, net.ErrClosed) {
-			errs = append(errs, e)
-		}
+	if e := t.srv.Close(); e != nil {
+		errs = append(errs, e)
 	}
-	for c := range conns {
-		c.conn.Close()
-	}
-	for _, p := range peers {
-		p.shut(transfer.ErrClosed)
-	}
-	t.wg.Wait()
+	t.peers.Close()
 	for _, pn := range pins {
 		pn.release()
-	}
-	for _, s := range regions {
-		s.release()
 	}
 	t.devMu.Lock()
 	for _, d := range t.devs {
@@ -517,37 +449,6 @@ func (t *Transport) Close() error {
 	t.devs = map[int]*device{}
 	t.devMu.Unlock()
 	return errors.Join(errs...)
-}
-
-// peerFor returns the state of a peer incarnation, creating it (no I/O).
-func (t *Transport) peerFor(d *transfer.Descriptor) (*peer, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.closed {
-		return nil, transfer.ErrClosed
-	}
-	p := t.peers[d.Incarnation]
-	if p == nil {
-		p = newPeer(t, d)
-		t.peers[d.Incarnation] = p
-	}
-	return p, nil
-}
-
-// goTracked runs fn on a goroutine Close waits for; false if closed.
-func (t *Transport) goTracked(fn func()) bool {
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		return false
-	}
-	t.wg.Add(1)
-	t.mu.Unlock()
-	go func() {
-		defer t.wg.Done()
-		fn()
-	}()
-	return true
 }
 
 // busIndex is the local ordinal of the GPU with PCI bus id bus (-1 if this

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/fdshare"
 )
 
 func TestNoGPU(t *testing.T) {
@@ -29,17 +30,22 @@ func TestNoGPU(t *testing.T) {
 	}
 }
 
+// The codec itself is tested and fuzzed in fdshare; these pin nvlink's
+// layout (docs/format/nvlink.md) and its own checks.
 func TestWireRoundTrip(t *testing.T) {
-	for _, p := range []packet{
-		{Type: typeHello, Text: "incarnation"},
-		{Type: typeWelcome, Status: 1, Text: "unknown ticket"},
-		{Type: typeMapReq, Req: 7, Region: 3},
-		{Type: typeMapReply, Kind: wireVMMFD, Flags: flagWritable, Req: 7, Region: 3, Offset: 4096, Size: 1 << 30, Gran: 2 << 20},
-		{Type: typeMapReply, Kind: wireIPC, Req: 8, Region: 4, Size: 64 << 20, Key: [64]byte{1, 2, 3, 63: 9}},
-		{Type: typeRevoke, Region: 3},
+	for _, p := range []fdshare.Packet{
+		{Type: fdshare.TypeHello, Text: "incarnation"},
+		{Type: fdshare.TypeWelcome, Status: 1, Text: "unknown ticket"},
+		{Type: fdshare.TypeMapReq, Req: 7, Region: 3},
+		{Type: fdshare.TypeMapReply, Kind: wireVMMFD, Flags: fdshare.FlagWritable, Req: 7, Region: 3, Offset: 4096, Size: 1 << 30, Gran: 2 << 20},
+		{Type: fdshare.TypeMapReply, Kind: wireIPC, Req: 8, Region: 4, Size: 64 << 20, Key: [64]byte{1, 2, 3, 63: 9}},
+		{Type: fdshare.TypeRevoke, Region: 3},
 	} {
-		b := p.appendTo(nil)
-		q, err := decodePacket(b)
+		b := wire.Append(nil, &p)
+		if len(b) != 128+len(p.Text) {
+			t.Fatalf("%+v: %d bytes", p, len(b))
+		}
+		q, err := wire.Decode(b)
 		if err != nil {
 			t.Fatalf("%+v: %v", p, err)
 		}
@@ -47,45 +53,33 @@ func TestWireRoundTrip(t *testing.T) {
 			t.Fatalf("round trip: %+v != %+v", q, p)
 		}
 	}
-	long := packet{Type: typeWelcome, Status: 1, Text: strings.Repeat("x", 300)}
-	if q, err := decodePacket(long.appendTo(nil)); err != nil || len(q.Text) != maxText {
+	b := wire.Append(nil, &fdshare.Packet{Type: fdshare.TypeMapReply, Kind: wireIPC, Flags: 1, Gran: 5, Key: [64]byte{63: 9}})
+	for off, want := range map[int]byte{2: wireIPC, 4: 1, 40: 5, 127: 9} {
+		if b[off] != want {
+			t.Errorf("byte %d = %d, want %d", off, b[off], want)
+		}
+	}
+	long := fdshare.Packet{Type: fdshare.TypeWelcome, Status: 1, Text: strings.Repeat("x", 300)}
+	if q, err := wire.Decode(wire.Append(nil, &long)); err != nil || len(q.Text) != fdshare.MaxText {
 		t.Fatalf("long text: %v %d", err, len(q.Text))
 	}
 }
 
 func TestWireRejects(t *testing.T) {
-	good := (&packet{Type: typeMapReply, Kind: wireHost, Offset: 10, Size: 100}).appendTo(nil)
+	good := wire.Append(nil, &fdshare.Packet{Type: fdshare.TypeMapReply, Kind: wireHost, Offset: 10, Size: 100})
 	for name, b := range map[string][]byte{
 		"short":         good[:50],
 		"trailing":      append(append([]byte{}, good...), 0),
 		"type":          func() []byte { c := append([]byte{}, good...); c[0] = 9; return c }(),
 		"kind":          func() []byte { c := append([]byte{}, good...); c[2] = 0; return c }(),
 		"reserved":      func() []byte { c := append([]byte{}, good...); c[50] = 1; return c }(),
-		"offset > size": (&packet{Type: typeMapReply, Kind: wireHost, Offset: 101, Size: 100}).appendTo(nil),
-		"too long":      make([]byte, maxPacket+1),
+		"offset > size": wire.Append(nil, &fdshare.Packet{Type: fdshare.TypeMapReply, Kind: wireHost, Offset: 101, Size: 100}),
+		"too long":      make([]byte, wire.MaxPacket()+1),
 	} {
-		if _, err := decodePacket(b); !errors.Is(err, errBadPacket) {
-			t.Errorf("%s: %v, want errBadPacket", name, err)
+		if _, err := wire.Decode(b); !errors.Is(err, fdshare.ErrBadPacket) {
+			t.Errorf("%s: %v, want ErrBadPacket", name, err)
 		}
 	}
-}
-
-func FuzzDecodePacket(f *testing.F) {
-	f.Add((&packet{Type: typeHello, Text: "x"}).appendTo(nil))
-	f.Add((&packet{Type: typeMapReply, Kind: wireVMMFD, Size: 1 << 21, Gran: 1 << 21}).appendTo(nil))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		if len(b) > 4096 {
-			return
-		}
-		p, err := decodePacket(b)
-		if err != nil {
-			return
-		}
-		q, err := decodePacket(p.appendTo(nil))
-		if err != nil || q != p {
-			t.Fatalf("re-encode: %v %+v %+v", err, p, q)
-		}
-	})
 }
 
 func TestDecodeHandle(t *testing.T) {

@@ -9,6 +9,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/fdshare"
 )
 
 // Submit moves the tasks with one scatter-kernel launch per local GPU
@@ -17,46 +18,20 @@ import (
 // first. Completion is waited for off the caller's path; each task's Done
 // follows its kernel's event.
 func (t *Transport) Submit(ctx context.Context, d *transfer.Descriptor, tasks []*transfer.Task) {
-	p, err := t.peerFor(d)
-	if err != nil {
-		failAll(tasks, err)
-		return
-	}
-	if p.connected() && t.launch(ctx, p, tasks, false) {
-		return
-	}
-	if !t.goTracked(func() { t.run(ctx, p, tasks) }) {
-		failAll(tasks, transfer.ErrClosed)
-	}
-}
-
-func failAll(tasks []*transfer.Task, err error) {
-	for _, k := range tasks {
-		k.Done(err)
-	}
-}
-
-// ctxError normalises a context error the way the engine does.
-func ctxError(ctx context.Context) error {
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return fmt.Errorf("%w: nvlink batch: %w", transfer.ErrTimeout, ctx.Err())
-	}
-	return fmt.Errorf("nvlink batch: %w", ctx.Err())
+	t.peers.Submit(d, tasks, func(p *peer) bool {
+		return p.connected() && t.launch(ctx, p, tasks, false)
+	}, func(p *peer) { t.run(ctx, p, tasks) })
 }
 
 // run is the slow path: connect, import what is missing, launch.
 func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task) {
 	if !p.connected() {
-		cctx, cancel := context.WithCancel(ctx)
-		stop := context.AfterFunc(t.ctx, cancel)
-		err := p.connect(cctx)
-		stop()
-		cancel()
-		if err != nil {
+		// Connecting blocks: give up when the batch or the transport ends.
+		if err := t.peers.Bound(ctx, p.connect); err != nil {
 			if ctx.Err() != nil {
-				err = ctxError(ctx)
+				err = fdshare.CtxError(ctx, Name)
 			}
-			failAll(tasks, err)
+			fdshare.FailAll(tasks, err)
 			return
 		}
 	}
@@ -137,15 +112,15 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 	if mayImport {
 		ws, err := t.wants(p, tasks)
 		if err != nil {
-			failAll(tasks, err)
+			fdshare.FailAll(tasks, err)
 			return true
 		}
 		refused, err := t.importAll(ctx, p, ws)
 		if err != nil {
 			if ctx.Err() != nil {
-				err = ctxError(ctx)
+				err = fdshare.CtxError(ctx, Name)
 			}
-			failAll(tasks, err)
+			fdshare.FailAll(tasks, err)
 			return true
 		}
 		if len(refused) > 0 {
@@ -167,18 +142,18 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 		}
 	}
 	if err := ctx.Err(); err != nil {
-		failAll(tasks, ctxError(ctx))
+		fdshare.FailAll(tasks, fdshare.CtxError(ctx, Name))
 		return true
 	}
 	p.mu.RLock()
 	if p.closed {
 		p.mu.RUnlock()
-		failAll(tasks, p.err())
+		fdshare.FailAll(tasks, p.err())
 		return true
 	}
 	if err := p.alive(); err != nil {
 		p.mu.RUnlock()
-		failAll(tasks, err)
+		fdshare.FailAll(tasks, err)
 		return true
 	}
 	var groups []*group
@@ -276,7 +251,7 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 	}
 	// Wait off the caller's path; the read lock keeps the imports mapped
 	// until the kernels are done.
-	if !t.goTracked(func() { t.complete(p, groups) }) {
+	if !t.peers.Go(func() { t.complete(p, groups) }) {
 		t.complete(p, groups)
 	}
 	return true

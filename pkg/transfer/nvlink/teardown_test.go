@@ -34,7 +34,7 @@ func TestGPUPeerDeath(t *testing.T) {
 	r.tg.cmd.Wait()
 	p := r.nv.peerState(r.tg.ready.Segment)
 	deadline := time.Now().Add(10 * time.Second)
-	for p != nil && !p.dead.Load() && time.Now().Before(deadline) {
+	for p != nil && !p.link.Dead() && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	err := r.e.Transfer(context.Background(), reqs)

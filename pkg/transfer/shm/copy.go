@@ -4,13 +4,13 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
 	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/fdshare"
 )
 
 // Submit copies the tasks between local memory and the peer's mapped
@@ -18,37 +18,17 @@ import (
 // caller's goroutine; otherwise a goroutine connects, maps what is missing
 // and copies, spreading big batches over Config.Copiers goroutines.
 func (t *Transport) Submit(ctx context.Context, d *transfer.Descriptor, tasks []*transfer.Task) {
-	p, err := t.peerFor(d)
-	if err != nil {
-		failAll(tasks, err)
-		return
-	}
 	var total uint64
 	for _, k := range tasks {
 		total += k.Len
 	}
-	if p.connected() && (total < uint64(t.cfg.ParallelMin) || int(t.busy.Load()) >= t.cfg.Copiers) {
-		t.run(ctx, p, tasks, total, false)
-		return
-	}
-	if !t.goTracked(func() { t.run(ctx, p, tasks, total, true) }) {
-		failAll(tasks, transfer.ErrClosed)
-	}
-}
-
-func failAll(tasks []*transfer.Task, err error) {
-	for _, k := range tasks {
-		k.Done(err)
-	}
-}
-
-// ctxError normalises a context error the way the engine does: a deadline
-// is a transfer.ErrTimeout.
-func ctxError(ctx context.Context) error {
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return fmt.Errorf("%w: shm batch: %w", transfer.ErrTimeout, ctx.Err())
-	}
-	return fmt.Errorf("shm batch: %w", ctx.Err())
+	t.peers.Submit(d, tasks, func(p *peer) bool {
+		if p.link.Connected() && (total < uint64(t.cfg.ParallelMin) || int(t.busy.Load()) >= t.cfg.Copiers) {
+			t.run(ctx, p, tasks, total, false)
+			return true
+		}
+		return false
+	}, func(p *peer) { t.run(ctx, p, tasks, total, true) })
 }
 
 // job is one task's two byte ranges.
@@ -71,43 +51,38 @@ func (j *job) copy(off, n int) {
 func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, total uint64, parallel bool) {
 	t.busy.Add(1)
 	defer t.busy.Add(-1)
-	if !p.connected() {
+	if !p.link.Connected() {
 		// Connecting blocks: give up when the batch or the transport ends.
-		cctx, cancel := context.WithCancel(ctx)
-		stop := context.AfterFunc(t.ctx, cancel)
-		err := p.connect(cctx)
-		stop()
-		cancel()
-		if err != nil {
+		if err := t.peers.Bound(ctx, p.link.Connect); err != nil {
 			if ctx.Err() != nil {
-				err = ctxError(ctx)
+				err = fdshare.CtxError(ctx, Name)
 			}
-			failAll(tasks, fmt.Errorf("shm: connect to %s: %w", p.desc.Name, err))
+			fdshare.FailAll(tasks, fmt.Errorf("shm: connect to %s: %w", p.desc.Name, err))
 			return
 		}
 	}
-	if err := p.alive(); err != nil {
-		failAll(tasks, err)
+	if err := p.link.Alive(); err != nil {
+		fdshare.FailAll(tasks, err)
 		return
 	}
 	hs, err := handles(tasks)
 	if err != nil {
-		failAll(tasks, err)
+		fdshare.FailAll(tasks, err)
 		return
 	}
 	refused, err := p.mapRegions(ctx, uniqueIDs(hs))
 	if err != nil {
 		if ctx.Err() != nil {
-			err = ctxError(ctx)
+			err = fdshare.CtxError(ctx, Name)
 		}
-		failAll(tasks, err)
+		fdshare.FailAll(tasks, err)
 		return
 	}
 
 	p.mu.RLock()
 	if p.closed {
 		p.mu.RUnlock()
-		failAll(tasks, p.err())
+		fdshare.FailAll(tasks, p.link.Err())
 		return
 	}
 	jobs := make([]job, 0, len(tasks))
@@ -133,9 +108,9 @@ func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, to
 
 	// The peer must still be alive after the copies: bytes written into the
 	// memory of a process that died are lost.
-	err = p.alive()
+	err = p.link.Alive()
 	if err == nil && ctx.Err() != nil {
-		err = ctxError(ctx)
+		err = fdshare.CtxError(ctx, Name)
 	}
 	for i := range jobs {
 		jobs[i].k.Done(err)

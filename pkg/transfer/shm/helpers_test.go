@@ -11,9 +11,8 @@ func jsonUnmarshal(b []byte, v any) error { return json.Unmarshal(b, v) }
 
 // peerState is the initiator state of a peer incarnation (nil if none).
 func (t *Transport) peerState(inc string) *peer {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.peers[inc]
+	p, _ := t.peers.Lookup(inc)
+	return p
 }
 
 func (p *peer) mapCount() int {

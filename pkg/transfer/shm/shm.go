@@ -17,19 +17,16 @@
 package shm
 
 import (
-	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"net"
 	"runtime"
 	"sync"
 	"sync/atomic"
 
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/fdshare"
 )
 
 // Name is the transport's name in descriptors, logs and metrics.
@@ -80,23 +77,17 @@ type Transport struct {
 	cfg  Config
 	h    transfer.Host
 	lg   *zap.Logger
-	ln   *net.UnixListener
+	srv  *fdshare.Server // serving side: regions' memfds by region id
 	sock string
 	inc  string
 
-	ctx    context.Context // canceled by Close
-	cancel context.CancelFunc
+	// peers is the initiator side, by peer incarnation; its goroutines
+	// are the transport's.
+	peers *fdshare.Peers[*peer]
 
-	mu      sync.Mutex
-	regions map[uint64]*served          // serving side, by region id
-	byReg   map[*transfer.Region]uint64 // region -> id
-	nextID  uint64
-	tickets map[[32]byte]ticket
-	conns   map[*servedConn]struct{}
-	peers   map[string]*peer // initiator side, by peer incarnation
-	closed  bool
+	mu    sync.Mutex
+	byReg map[*transfer.Region]uint64 // served region -> id
 
-	wg sync.WaitGroup
 	// busy counts batches being copied; when several submitters already
 	// keep the cores busy, a large batch is copied in its caller too.
 	busy atomic.Int32
@@ -113,12 +104,13 @@ func New(cfg Config) *Transport {
 	if cfg.ParallelMin == 0 {
 		cfg.ParallelMin = 1 << 20
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	return &Transport{
-		cfg: cfg, lg: zap.NewNop(), ctx: ctx, cancel: cancel,
-		regions: map[uint64]*served{}, byReg: map[*transfer.Region]uint64{},
-		tickets: map[[32]byte]ticket{}, conns: map[*servedConn]struct{}{}, peers: map[string]*peer{},
+	t := &Transport{
+		cfg: cfg, lg: zap.NewNop(),
+		srv:   fdshare.NewServer(fdshare.ServerConfig{Kind: Name, Wire: &wire}),
+		byReg: map[*transfer.Region]uint64{},
 	}
+	t.peers = fdshare.NewPeers(t.newPeer, (*peer).shut)
+	return t
 }
 
 // Name implements transfer.Transport.
@@ -136,15 +128,10 @@ func (t *Transport) Start(h transfer.Host) error {
 	t.h = h
 	t.lg = h.Logger().Named("shm")
 	t.inc = h.Self().Incarnation
-	t.sock = "@mooncake-shm-" + t.inc
-	ln, err := net.ListenUnix("unixpacket", &net.UnixAddr{Name: t.sock, Net: "unixpacket"})
-	if err != nil {
-		return fmt.Errorf("shm: listen on %s: %w", t.sock, err)
+	if err := t.srv.Start(h, t.lg); err != nil {
+		return err
 	}
-	t.ln = ln
-	h.Handle(Name, t.serveTicket)
-	t.wg.Add(1)
-	go t.acceptLoop()
+	t.sock = t.srv.Socket()
 	return nil
 }
 
@@ -152,16 +139,6 @@ func (t *Transport) Start(h transfer.Host) error {
 func (t *Transport) Info() json.RawMessage {
 	b, _ := json.Marshal(Info{Socket: t.sock, Version: protocolVersion})
 	return b
-}
-
-// served is a region this process serves: its own copy of the memfd (read-only
-// when peers may only read).
-type served struct {
-	id       uint64
-	fd       int
-	off      uint64
-	size     uint64
-	writable bool
 }
 
 // RegisterRegion accepts memfd-backed host memory only; the handle names the
@@ -176,43 +153,26 @@ func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) 
 	if r.HostOffset < 0 || uint64(r.HostOffset)+r.Len > uint64(r.Host.Size()) {
 		return nil, fmt.Errorf("shm: region of %d bytes at offset %d does not fit its host memory of %d bytes", r.Len, r.HostOffset, r.Host.Size())
 	}
+	// Peers that may only read get the memfd reopened read-only, so that
+	// they cannot map it writable.
 	writable := r.Access&transfer.AccessWrite != 0
-	fd, err := shareFD(r.Host.FD(), writable)
+	fd, err := fdshare.ShareMemfd(r.Host.FD(), writable)
+	if err != nil {
+		return nil, fmt.Errorf("shm: %w", err)
+	}
+	it := fdshare.Item{FD: fd, Reply: fdshare.Packet{Offset: uint64(r.HostOffset), Size: r.Len}}
+	if writable {
+		it.Reply.Flags = fdshare.FlagWritable
+	}
+	id, err := t.srv.Add(it)
 	if err != nil {
 		return nil, err
 	}
-	s := &served{fd: fd, off: uint64(r.HostOffset), size: r.Len, writable: writable}
 	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		unix.Close(fd)
-		return nil, transfer.ErrClosed
-	}
-	t.nextID++
-	s.id = t.nextID
-	t.regions[s.id] = s
-	t.byReg[r] = s.id
+	t.byReg[r] = id
 	t.mu.Unlock()
-	b, _ := json.Marshal(Handle{ID: s.id, Offset: s.off, Size: s.size})
+	b, _ := json.Marshal(Handle{ID: id, Offset: it.Reply.Offset, Size: it.Reply.Size})
 	return b, nil
-}
-
-// shareFD returns this transport's own fd for a memfd: a duplicate, or, for
-// regions peers may only read, the memfd reopened read-only, so that a peer
-// cannot map it writable.
-func shareFD(fd int, writable bool) (int, error) {
-	if writable {
-		nfd, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
-		if err != nil {
-			return -1, fmt.Errorf("shm: dup memfd: %w", err)
-		}
-		return nfd, nil
-	}
-	nfd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return -1, fmt.Errorf("shm: reopen memfd read-only: %w", err)
-	}
-	return nfd, nil
 }
 
 // UnregisterRegion forgets the region and tells connected peers to drop
@@ -220,23 +180,10 @@ func shareFD(fd int, writable bool) (int, error) {
 func (t *Transport) UnregisterRegion(r *transfer.Region) {
 	t.mu.Lock()
 	id, ok := t.byReg[r]
-	var s *served
-	var conns []*servedConn
-	if ok {
-		s = t.regions[id]
-		delete(t.byReg, r)
-		delete(t.regions, id)
-		for c := range t.conns {
-			conns = append(conns, c)
-		}
-	}
+	delete(t.byReg, r)
 	t.mu.Unlock()
-	if !ok {
-		return
-	}
-	unix.Close(s.fd)
-	for _, c := range conns {
-		c.revoke(id)
+	if ok {
+		t.srv.Remove(id)
 	}
 }
 
@@ -254,81 +201,19 @@ func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, r
 }
 
 // DropPeer unmaps a peer incarnation's mappings and closes its socket.
-func (t *Transport) DropPeer(d *transfer.Descriptor) {
-	t.mu.Lock()
-	p := t.peers[d.Incarnation]
-	delete(t.peers, d.Incarnation)
-	t.mu.Unlock()
-	if p != nil {
-		p.shut(fmt.Errorf("%w: %s incarnation %s was dropped", transfer.ErrPeerRestarted, d.Name, d.Incarnation))
-	}
-}
+func (t *Transport) DropPeer(d *transfer.Descriptor) { t.peers.Drop(d) }
 
 // Close stops serving, closes every connection, waits for the transport's
-// goroutines and releases every mapping and fd. Order: listener, served
-// connections, peer connections, goroutines, mappings, served fds.
+// goroutines and releases every mapping and fd. Order: the server
+// (listener, served connections, its goroutines, served fds), then the
+// peers (connects canceled, connections closed, mappings released after
+// the copies in flight, goroutines waited for).
+// Both are idempotent, so Close is.
 func (t *Transport) Close() error {
+	err := t.srv.Close()
+	t.peers.Close()
 	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		return nil
-	}
-	t.closed = true
-	conns := t.conns
-	t.conns = map[*servedConn]struct{}{}
-	peers := t.peers
-	t.peers = map[string]*peer{}
-	regions := t.regions
-	t.regions = map[uint64]*served{}
 	t.byReg = map[*transfer.Region]uint64{}
 	t.mu.Unlock()
-	t.cancel()
-	var err error
-	if t.ln != nil {
-		if e := t.ln.Close(); e != nil && !errors.Is(e, net.ErrClosed) {
-			err = e
-		}
-	}
-	for c := range conns {
-		c.conn.Close()
-	}
-	for _, p := range peers {
-		p.shut(transfer.ErrClosed)
-	}
-	t.wg.Wait()
-	for _, s := range regions {
-		unix.Close(s.fd)
-	}
 	return err
-}
-
-// peerFor returns the state of a peer incarnation, creating it (no I/O).
-func (t *Transport) peerFor(d *transfer.Descriptor) (*peer, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.closed {
-		return nil, transfer.ErrClosed
-	}
-	p := t.peers[d.Incarnation]
-	if p == nil {
-		p = newPeer(t, d)
-		t.peers[d.Incarnation] = p
-	}
-	return p, nil
-}
-
-// goTracked runs fn on a goroutine Close waits for; false if closed.
-func (t *Transport) goTracked(fn func()) bool {
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		return false
-	}
-	t.wg.Add(1)
-	t.mu.Unlock()
-	go func() {
-		defer t.wg.Done()
-		fn()
-	}()
-	return true
 }

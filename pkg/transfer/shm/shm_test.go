@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/fdshare"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
@@ -312,22 +313,22 @@ func TestClusterToken(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	var buf [maxPacket + 1]byte
-	hello := packet{Type: typeHello, Text: "intruder"}
-	random(t, hello.Key[:])
-	if _, err := c.Write(hello.appendTo(buf[:0])); err != nil {
+	var buf [fdshare.MaxPacket + 1]byte
+	hello := fdshare.Packet{Type: fdshare.TypeHello, Text: "intruder"}
+	random(t, hello.Key[:32])
+	if _, err := c.Write(wire.Append(buf[:0], &hello)); err != nil {
 		t.Fatal(err)
 	}
-	w, err := readPacket(c.(*net.UnixConn), buf[:])
+	w, err := wire.Read(c.(*net.UnixConn), buf[:wire.MaxPacket()+1])
 	if err != nil {
 		t.Fatal(err)
 	}
-	if w.Type != typeWelcome || w.Status == 0 {
+	if w.Type != fdshare.TypeWelcome || w.Status == 0 {
 		t.Fatalf("forged ticket accepted: %+v", w)
 	}
 	// Asking for a region anyway gets nothing: the server hung up.
-	req := packet{Type: typeMapReq, Req: 1, Region: 1}
-	c.Write(req.appendTo(buf[:0]))
+	req := fdshare.Packet{Type: fdshare.TypeMapReq, Req: 1, Region: 1}
+	c.Write(wire.Append(buf[:0], &req))
 	c.SetReadDeadline(time.Now().Add(2 * time.Second))
 	if n, err := c.Read(buf[:]); err == nil && n > 0 {
 		t.Fatalf("server answered after refusing: %d bytes", n)

@@ -1,9 +1,8 @@
-// Package unixfd holds the small helpers of file-descriptor passing over
-// unix sockets (SCM_RIGHTS) that same-machine transports share.
-package unixfd
+package fdshare
 
 import (
 	"errors"
+	"fmt"
 
 	"golang.org/x/sys/unix"
 )
@@ -25,7 +24,7 @@ func CloseRights(oob []byte) {
 	}
 }
 
-// TakeFD returns the single fd a message may carry (-1 if none). Any other
+// TakeFD returns the single fd a packet may carry (-1 if none). Any other
 // fd is closed; more than one, or truncated control data, is an error.
 func TakeFD(oob []byte, flags int) (int, error) {
 	if flags&unix.MSG_CTRUNC != 0 {
@@ -52,7 +51,7 @@ func TakeFD(oob []byte, flags int) (int, error) {
 				fd = f
 			} else {
 				unix.Close(f)
-				bad = errors.New("more than one fd in a message")
+				bad = errors.New("more than one fd in a packet")
 			}
 		}
 	}
@@ -65,3 +64,21 @@ func TakeFD(oob []byte, flags int) (int, error) {
 
 // Dup returns a close-on-exec duplicate of fd.
 func Dup(fd int) (int, error) { return unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0) }
+
+// ShareMemfd returns the caller's own fd for a memfd, to hand to peers: a
+// duplicate, or, when peers may only read, the memfd reopened read-only
+// (/proc/self/fd/N), so that a peer cannot map it writable.
+func ShareMemfd(fd int, writable bool) (int, error) {
+	if writable {
+		nfd, err := Dup(fd)
+		if err != nil {
+			return -1, fmt.Errorf("dup memfd: %w", err)
+		}
+		return nfd, nil
+	}
+	nfd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", fd), unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("reopen memfd read-only: %w", err)
+	}
+	return nfd, nil
+}
