@@ -96,6 +96,9 @@ func (d *Decode) OnNotify(n transfer.Notification) {
 		d.lg.Warn("bad notification", zap.String("from", n.From), zap.Error(err))
 		return
 	}
+	if d.lg.Core().Enabled(zap.DebugLevel) {
+		d.lg.Debug("room result", zap.Uint64("room", res.Room), zap.Bool("ok", res.OK), zap.Float64("transfer_seconds", res.TransferSeconds))
+	}
 	d.mu.Lock()
 	ch := d.rooms[res.Room]
 	d.mu.Unlock()

@@ -325,6 +325,9 @@ func (r *proom) Chunk(tokensDone int) {
 }
 
 func (r *proom) Done(first int, logprob float32, err error, release func()) {
+	if r.lg.Core().Enabled(zap.DebugLevel) {
+		r.lg.Debug("prefill computed", zap.Int("first", first), zap.Error(err))
+	}
 	r.mu.Lock()
 	r.done, r.first, r.logprob, r.release = true, first, logprob, release
 	if err != nil && r.err == nil {

@@ -68,7 +68,7 @@ func TestPrefillHook(t *testing.T) {
 	te := startEngine(t, 64, 4, func(c *Config) { c.ChunkedPrefillSize = 5 })
 	prompt := ids("hello world!") // 13 tokens: chunks of 5, 5, 3; 4 pages
 	h := newRecHook()
-	r := te.generate(t, &Request{InputIDs: prompt, Params: SamplingParams{MaxNewTokens: 20}, Prefill: h})
+	r := te.generate(t, &Request{InputIDs: prompt, Params: SamplingParams{MaxNewTokens: 20}, Logprobs: true, Prefill: h})
 	h.wait(t)
 
 	want := []string{"pages", "chunk 5", "chunk 10", "chunk 13", "done"}
@@ -180,7 +180,7 @@ func TestDisaggregatedMatchesColocated(t *testing.T) {
 			want := colo.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true})
 
 			h := newRecHook()
-			pr := pre.generate(t, &Request{InputIDs: prompt, Params: tc.params, Prefill: h, Room: 77})
+			pr := pre.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, Prefill: h, Room: 77})
 			h.wait(t)
 			if h.err != nil || pr.tokens[0] != want.tokens[0] {
 				t.Fatalf("prefill: first %d err %v, colocated first %d", h.first, h.err, want.tokens[0])
