@@ -19,16 +19,20 @@ mc=$w/mc
 export XDG_CACHE_HOME=$w/cache
 shared=gpu-bundle/shared
 
+specs=${PD_SPECS:-"1024 1 3|4096 1 3|8192 1 3|1024 8 16|1024 32 32"}
+if [ -z "${QUICK:-}" ]; then
 echo "=== transformers check of the converted stories260K"
 $mc convert --model-path $shared/models/stories260K/stories260K.bin --tokenizer-path $shared/models/stories260K/tok512.bin \
 	--output "$w/s260hf" >/dev/null
 timeout 120 python3 scripts/py/check_hf_greedy.py "$w/s260hf" $shared/reference/stories260K-greedy.json 2>&1 | grep -v Warning | tee "$log/transformers.txt"
+fi
 
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 health() { for _ in $(seq 600); do curl -sf "$1/health" >/dev/null && return 0; sleep 0.2; done; echo "no health at $1"; return 1; }
 M="--device cuda --random-weights llama3-8b --random-seed 7 --chunked-prefill-size 8192 --max-total-tokens 300000 --log-level warn"
 bench() { # url label
-	for spec in "1024 1 3" "4096 1 3" "8192 1 3" "1024 8 16" "1024 32 32"; do
+	IFS='|' read -ra list <<<"$specs"
+	for spec in "${list[@]}"; do
 		set -- $1 $2 $spec
 		echo -n "$2 input $3 conc $4: "
 		timeout 120 $mc bench serve --url "$1" --input-len $3 --output-len 128 --concurrency $4 --num-prompts $5 --warmup 1 --json |
