@@ -16,8 +16,7 @@ fixtures:
 	bash scripts/npm-fixtures.sh
 	bash scripts/npm-openai.sh
 
-test: fixtures build
-	$(GO) vet ./...
+test: fixtures build lint
 	$(GO) test -count=1 -timeout 20m $(PKGS)
 	$(GO) test -count=1 -race -tags invariants -timeout 20m $(RACE_PKGS)
 
