@@ -95,6 +95,8 @@ func (g *globals) logger() (*zap.Logger, error) {
 		return nil, fmt.Errorf("--log-format: %q is not console or json", g.logFormat)
 	}
 	cfg.Level = zap.NewAtomicLevelAt(lvl)
+	// Microseconds: enough to follow one request across processes.
+	cfg.EncoderConfig.EncodeTime = zapcore.TimeEncoderOfLayout("2006-01-02T15:04:05.000000Z07:00")
 	cfg.OutputPaths = []string{"stderr"}
 	cfg.DisableCaller = true
 	return cfg.Build()

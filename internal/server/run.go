@@ -96,6 +96,9 @@ func (rn *run) next() (ev engine.Event, ok bool) {
 	if ev.Token >= 0 {
 		if len(rn.ids) == 0 {
 			rn.s.metrics.ttft.Observe(now.Sub(rn.start).Seconds())
+			if rn.s.lg.Core().Enabled(zap.DebugLevel) {
+				rn.s.lg.Debug("first token", zap.String("rid", rn.req.ID), zap.Uint64("room", rn.req.Room), zap.Duration("ttft", now.Sub(rn.start)))
+			}
 		}
 		rn.ids = append(rn.ids, ev.Token)
 		rn.logprobs = append(rn.logprobs, ev.Logprob)

@@ -30,6 +30,6 @@ for i in range(6):
     print(f"request {i}: TTFT {first*1e3:.2f} ms, total {(time.time()-t0)*1e3:.2f} ms", flush=True)
 PY
 sleep 0.5
-echo "=== prefill"; grep -E "admitted|room|pushed|transport selected|finished" "$w/prefill.log" | tail -24 | cut -c1-260
-echo "=== decode"; grep -E "admitted|kv in place|room|finished" "$w/decode.log" | tail -16 | cut -c1-260
+echo "=== prefill"; grep -E "admitted|pushed|prefill computed|room done|first token" "$w/prefill.log" | tail -12 | cut -c1-200
+echo "=== decode"; grep -E "admitted|kv in place|room result|first token|request\s" "$w/decode.log" | tail -10 | cut -c1-200
 kill %1 %2 %3 2>/dev/null; wait 2>/dev/null
