@@ -70,7 +70,9 @@ func Open(ctx context.Context, spec string, opts Options) (transfer.Registry, io
 		if err != nil {
 			return nil, nil, badSpec(spec, err)
 		}
-		r, err := etcd.New(ctx, etcd.Config{Endpoints: eps, Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger})
+		r, err := newRenewing(ctx, opts.Logger, func(ctx context.Context) (*etcd.Registry, error) {
+			return etcd.New(ctx, etcd.Config{Endpoints: eps, Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger})
+		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--metadata-server %s: %w", spec, err)
 		}
@@ -120,7 +122,9 @@ func openEmbedded(ctx context.Context, opts Options) (transfer.Registry, io.Clos
 	if err != nil {
 		return nil, nil, fmt.Errorf("--metadata-server embedded: %w", err)
 	}
-	r, err := etcd.New(ctx, etcd.Config{Endpoints: srv.Endpoints(), Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger})
+	r, err := newRenewing(ctx, opts.Logger, func(ctx context.Context) (*etcd.Registry, error) {
+		return etcd.New(ctx, etcd.Config{Endpoints: srv.Endpoints(), Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger})
+	})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("--metadata-server embedded: %w", err), srv.Close())
 	}
@@ -133,7 +137,7 @@ func openEmbedded(ctx context.Context, opts Options) (transfer.Registry, io.Clos
 // embeddedCloser closes the client first (revoking its lease while the
 // server is still up), then the server.
 type embeddedCloser struct {
-	reg *etcd.Registry
+	reg *renewing
 	srv *embedded.Server
 }
 
