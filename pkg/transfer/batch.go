@@ -49,10 +49,18 @@ type Batch struct {
 	cancel  context.CancelFunc
 	stop    func() bool
 	mu      sync.Mutex
-	status  []TaskStatus
+	tasks   []Task // state and error per task, under mu
+	groups  []group
 	pending int
 	done    chan struct{}
 	reqs    []Request
+}
+
+// group is the tasks of one batch that go to one peer through one transport.
+type group struct {
+	t     Transport
+	peer  *Descriptor
+	tasks []*Task
 }
 
 // Submit checks every request (local memory registered, target address
@@ -71,9 +79,8 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 	// common case): tasks live in one slice, and the segment, local region
 	// and transport of the previous request are reused while they fit.
 	store := make([]Task, len(reqs))
-	tasks := make([]*Task, len(reqs))
-	ts := make([]Transport, len(reqs))
-	peers := make([]*Descriptor, len(reqs))
+	var groups []group
+	gi := -1 // group of the previous request
 	refreshed := map[SegmentID]bool{}
 	var (
 		curID   SegmentID = -1
@@ -132,52 +139,43 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 		}
 		// rr points into the segment's region table, which is replaced,
 		// never changed, when the descriptor is refreshed.
-		store[i] = Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: rr, LocalRegion: lr, i: i}
-		tasks[i], ts[i], peers[i] = &store[i], t, d
+		if gi < 0 || groups[gi].t != t || groups[gi].peer != d {
+			gi = -1
+			for k := range groups {
+				if groups[k].t == t && groups[k].peer == d {
+					gi = k
+				}
+			}
+			if gi < 0 {
+				groups = append(groups, group{t: t, peer: d})
+				gi = len(groups) - 1
+			}
+		}
+		store[i] = Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: rr, LocalRegion: lr, i: i, g: int32(gi)}
+		groups[gi].tasks = append(groups[gi].tasks, &store[i])
 	}
 
 	bctx, cancel := context.WithTimeout(ctx, e.cfg.Timeout)
-	b := &Batch{e: e, start: time.Now(), cancel: cancel, status: make([]TaskStatus, len(reqs)),
+	b := &Batch{e: e, start: time.Now(), cancel: cancel, tasks: store, groups: groups,
 		pending: len(reqs), done: make(chan struct{}), reqs: reqs}
 	if len(reqs) == 0 {
 		cancel()
 		close(b.done)
 		return b, nil
 	}
-	type key struct {
-		t    Transport
-		peer *Descriptor
+	for i := range store {
+		store[i].b = b
 	}
-	groups := map[key][]*Task{}
-	var order []key
-	var lastK key
-	var lastG []*Task
-	for i, t := range tasks {
-		t.b = b
-		b.status[i].Transport = ts[i].Name()
-		k := key{ts[i], peers[i]}
-		if k != lastK || lastG == nil {
-			if lastG != nil {
-				groups[lastK] = lastG
-			}
-			if _, ok := groups[k]; !ok {
-				order = append(order, k)
-			}
-			lastK, lastG = k, groups[k]
-		}
-		lastG = append(lastG, t)
-	}
-	groups[lastK] = lastG
 	// Bound the batch: when bctx ends, every task still pending times out
 	// (or is canceled with the caller's context).
 	b.stop = context.AfterFunc(bctx, func() {
 		err := ctxErr(bctx, "batch")
-		for i := range tasks {
-			tasks[i].Done(err)
+		for i := range store {
+			store[i].Done(err)
 		}
 	})
-	for _, k := range order {
-		k.t.Submit(bctx, k.peer, groups[k])
+	for _, g := range groups {
+		g.t.Submit(bctx, g.peer, g.tasks)
 	}
 	return b, nil
 }
@@ -218,20 +216,20 @@ func (e *Engine) Select(loc Location, peer *Descriptor, rem *RegionInfo) string 
 
 func (b *Batch) finish(i int, err error) {
 	b.mu.Lock()
-	st := &b.status[i]
-	if st.State != Pending {
+	t := &b.tasks[i]
+	if t.state != Pending {
 		b.mu.Unlock()
 		return
 	}
 	switch {
 	case err == nil:
-		st.State = Completed
+		t.state = Completed
 	case errors.Is(err, ErrTimeout):
-		st.State = TimedOut
+		t.state = TimedOut
 	default:
-		st.State = Failed
+		t.state = Failed
 	}
-	st.Err = err
+	t.err = err
 	b.pending--
 	last := b.pending == 0
 	b.mu.Unlock()
@@ -243,7 +241,7 @@ func (b *Batch) finish(i int, err error) {
 		}
 	}
 	if err != nil && b.e.lg.Core().Enabled(zap.DebugLevel) {
-		b.e.lg.Debug("task failed", zap.String("transport", st.Transport), zap.Error(err))
+		b.e.lg.Debug("task failed", zap.String("transport", b.groups[t.g].t.Name()), zap.Error(err))
 	}
 	if last {
 		b.complete()
@@ -256,52 +254,46 @@ func (b *Batch) complete() {
 	b.stop()
 	b.cancel()
 	el := time.Since(b.start).Seconds()
-	// A batch uses few transports: count per transport in a short slice.
+	// Count per transport (a batch has few groups, and groups of one
+	// transport share its label values).
 	type agg struct {
-		transport string
-		states    [TimedOut + 1]int
-		bytes     [Write + 1]uint64
+		states [TimedOut + 1]int
+		bytes  [Write + 1]uint64
 	}
-	var per []agg
-	k := -1
-	for i := range b.status {
-		st := &b.status[i]
-		if k < 0 || per[k].transport != st.Transport {
-			k = -1
-			for j := range per {
-				if per[j].transport == st.Transport {
-					k = j
-				}
-			}
-			if k < 0 {
-				per = append(per, agg{transport: st.Transport})
-				k = len(per) - 1
-			}
+	per := map[string]*agg{}
+	for k := range b.groups {
+		name := b.groups[k].t.Name()
+		a := per[name]
+		if a == nil {
+			a = &agg{}
+			per[name] = a
 		}
-		per[k].states[st.State]++
-		if st.State == Completed {
-			per[k].bytes[b.reqs[i].Op] += b.reqs[i].Len
+		for _, t := range b.groups[k].tasks {
+			a.states[t.state]++
+			if t.state == Completed {
+				a.bytes[t.Op] += t.Len
+			}
 		}
 	}
 	m := b.e.m
-	for _, a := range per {
+	for name, a := range per {
 		result := "completed"
 		for st, n := range a.states {
 			if n == 0 {
 				continue
 			}
-			m.tasks.WithLabelValues(a.transport, TaskState(st).String()).Add(float64(n))
+			m.tasks.WithLabelValues(name, TaskState(st).String()).Add(float64(n))
 			if TaskState(st) != Completed {
 				result = "failed"
 			}
 		}
 		for op, n := range a.bytes {
 			if n > 0 {
-				m.bytes.WithLabelValues(a.transport, Op(op).String()).Add(float64(n))
+				m.bytes.WithLabelValues(name, Op(op).String()).Add(float64(n))
 			}
 		}
-		m.batches.WithLabelValues(a.transport, result).Inc()
-		m.seconds.WithLabelValues(a.transport).Observe(el)
+		m.batches.WithLabelValues(name, result).Inc()
+		m.seconds.WithLabelValues(name).Observe(el)
 	}
 	close(b.done)
 }
@@ -313,14 +305,23 @@ func (b *Batch) Done() <-chan struct{} { return b.done }
 func (b *Batch) Status(i int) TaskStatus {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.status[i]
+	return b.statusLocked(i)
+}
+
+func (b *Batch) statusLocked(i int) TaskStatus {
+	t := &b.tasks[i]
+	return TaskStatus{State: t.state, Err: t.err, Transport: b.groups[t.g].t.Name()}
 }
 
 // Statuses returns every task's state.
 func (b *Batch) Statuses() []TaskStatus {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return append([]TaskStatus(nil), b.status...)
+	out := make([]TaskStatus, len(b.tasks))
+	for i := range b.tasks {
+		out[i] = b.statusLocked(i)
+	}
+	return out
 }
 
 // Wait blocks until the batch is done (or ctx ends) and returns nil if every
@@ -335,8 +336,8 @@ func (b *Batch) Wait(ctx context.Context) error {
 	defer b.mu.Unlock()
 	var first error
 	n := 0
-	for i, s := range b.status {
-		if s.State != Completed {
+	for i := range b.tasks {
+		if s := b.statusLocked(i); s.State != Completed {
 			n++
 			if first == nil {
 				first = fmt.Errorf("task %d via %s %v: %w", i, s.Transport, s.State, s.Err)
@@ -344,7 +345,7 @@ func (b *Batch) Wait(ctx context.Context) error {
 		}
 	}
 	if first != nil {
-		return fmt.Errorf("transfer: %d of %d tasks failed; first: %w", n, len(b.status), first)
+		return fmt.Errorf("transfer: %d of %d tasks failed; first: %w", n, len(b.tasks), first)
 	}
 	return nil
 }

@@ -72,7 +72,10 @@ type Task struct {
 
 	b     *Batch
 	i     int
+	g     int32 // group in b
 	fired atomic.Bool
+	state TaskState // under b.mu
+	err   error     // under b.mu
 }
 
 // Done reports the task's result; only the first call counts.
