@@ -317,6 +317,17 @@ func (r *proom) Pages(pages []int32) {
 	r.poke()
 }
 
+// Aborted stops the engine's work on a room that has already failed (its
+// decode side is gone, canceled, or a transfer failed).
+func (r *proom) Aborted() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.err != nil {
+		return fmt.Errorf("room %d failed: %w", r.id, r.err)
+	}
+	return nil
+}
+
 func (r *proom) Chunk(tokensDone int) {
 	r.mu.Lock()
 	r.tokens = tokensDone

@@ -66,6 +66,14 @@ type PrefillHook interface {
 	Done(first int, logprob float32, err error, release func())
 }
 
+// PrefillAborter is an optional PrefillHook method: the engine checks it
+// every step and aborts the request (calling Done with the error) once it
+// returns non-nil, so the disaggregation layer can stop computing a prompt
+// whose decode side is gone.
+type PrefillAborter interface {
+	Aborted() error
+}
+
 // Preloaded is a decode-side request whose prompt KV is already in Pages and
 // whose first token was sampled by the prefill server.
 type Preloaded struct {

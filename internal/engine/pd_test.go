@@ -262,3 +262,39 @@ func TestPreloadedPagesReleased(t *testing.T) {
 		}
 	})
 }
+
+// abortingHook fails its room after the first chunk, as the disaggregation
+// layer does when the decode side is gone.
+type abortingHook struct {
+	*recHook
+}
+
+func (h abortingHook) Aborted() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if len(h.chunks) > 0 {
+		return errors.New("decode side gone")
+	}
+	return nil
+}
+
+// TestPrefillAborter: a hook that reports its room failed stops the prompt's
+// compute at the next step; Done carries the reason and release frees the
+// pages.
+func TestPrefillAborter(t *testing.T) {
+	te := startEngine(t, 64, 4, func(c *Config) { c.ChunkedPrefillSize = 2 })
+	h := abortingHook{newRecHook()}
+	prompt := make([]int, 40) // 20 chunks of 2
+	r := te.generate(t, &Request{InputIDs: prompt, Params: SamplingParams{MaxNewTokens: 4}, Prefill: h})
+	h.wait(t)
+	if h.err == nil || h.first != -1 || r.finish.Type != "abort" {
+		t.Fatalf("Done(%d, %v), finish %+v", h.first, h.err, r.finish)
+	}
+	if n := len(h.chunks); n > 2 {
+		t.Fatalf("%d chunks ran after the room failed", n-1)
+	}
+	h.release()
+	if got := te.pages.Free(); got != 64 {
+		t.Fatalf("free pages %d after release, want 64", got)
+	}
+}

@@ -57,7 +57,12 @@ func (s *seq) aborted() error {
 		return *p
 	}
 	if s.ctxCause != nil {
-		return s.ctxCause()
+		if err := s.ctxCause(); err != nil {
+			return err
+		}
+	}
+	if a, ok := s.hook.(PrefillAborter); ok {
+		return a.Aborted()
 	}
 	return nil
 }
