@@ -174,11 +174,11 @@ func (s *server) writeLoop() {
 	failed := false
 	for rs := range s.out {
 		batch = append(batch[:0], rs...)
-		s.recycle(rs)
 		size := 0
 		for i := range rs {
 			size += len(rs[i].payload)
 		}
+		s.recycle(rs) // the reader may reuse rs from here on
 	drain:
 		for len(batch) < maxWriteBatch && size < maxWriteBytes {
 			select {
