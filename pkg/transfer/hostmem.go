@@ -2,7 +2,6 @@ package transfer
 
 import (
 	"fmt"
-	"os"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -82,6 +81,3 @@ func (m *HostMemory) Close() error {
 	}
 	return nil
 }
-
-// pageSize is the host page size.
-var pageSize = os.Getpagesize()
