@@ -7,9 +7,12 @@ import (
 	"os/exec"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
+
+var nsSeq atomic.Int32
 
 // twoHosts makes a network namespace joined to this one by a veth pair:
 // this side hostIP, the namespace's side nsIP. Two network namespaces stand
@@ -22,9 +25,12 @@ func twoHosts(t *testing.T) (ns, hostIP, nsIP string) {
 	if _, err := exec.LookPath("ip"); err != nil {
 		t.Skip("network namespaces need iproute2 (ip): not found")
 	}
-	id := os.Getpid() % 200
-	ns = fmt.Sprintf("mce2e%d", os.Getpid())
-	veth, peer := fmt.Sprintf("mcv%da", os.Getpid()), fmt.Sprintf("mcv%db", os.Getpid())
+	// Names and addresses unique per call, so -count=N never meets the
+	// previous run's namespace while the kernel is still tearing it down.
+	seq := nsSeq.Add(1)
+	id := (os.Getpid() + int(seq)) % 200
+	ns = fmt.Sprintf("mce2e%d-%d", os.Getpid(), seq)
+	veth, peer := fmt.Sprintf("mcv%d%da", os.Getpid(), seq), fmt.Sprintf("mcv%d%db", os.Getpid(), seq)
 	if len(veth) > 15 { // IFNAMSIZ
 		veth, peer = veth[len(veth)-15:], peer[len(peer)-15:]
 	}
