@@ -5,6 +5,7 @@ package topo
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/NVIDIA/go-nvml/pkg/nvml"
 
@@ -25,7 +26,10 @@ func Discover() (*Topology, error) {
 		if errors.As(err, &de) {
 			msg = de.Msg
 		}
-		return nil, &Error{Reason: fmt.Sprintf("NVML not found (%s: %s)", NVMLLibrary, msg)}
+		if !strings.HasPrefix(msg, NVMLLibrary) { // dlerror usually names the file itself
+			msg = NVMLLibrary + ": " + msg
+		}
+		return nil, &Error{Reason: fmt.Sprintf("NVML not found (%s)", msg)}
 	}
 	defer h.Close()
 
