@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"slices"
 
 	"github.com/spf13/cobra"
 
@@ -94,5 +95,6 @@ func keys[V any](m map[string]V) []string {
 	for k := range m {
 		s = append(s, k)
 	}
+	slices.Sort(s)
 	return s
 }
