@@ -21,20 +21,9 @@ type generateRequest struct {
 
 // generateSampling is SGLang's sampling_params.
 type generateSampling struct {
-	MaxNewTokens      *int     `json:"max_new_tokens"`
-	Temperature       *float64 `json:"temperature"`
-	TopP              *float64 `json:"top_p"`
-	TopK              *int     `json:"top_k"`
-	MinP              *float64 `json:"min_p"`
-	FrequencyPenalty  *float64 `json:"frequency_penalty"`
-	PresencePenalty   *float64 `json:"presence_penalty"`
-	RepetitionPenalty *float64 `json:"repetition_penalty"`
-	Stop              stopList `json:"stop"`
-	StopTokenIDs      []int    `json:"stop_token_ids"`
-	IgnoreEOS         bool     `json:"ignore_eos"`
-	Seed              *int64   `json:"seed"`
-	SamplingSeed      *int64   `json:"sampling_seed"` // SGLang's name
-	N                 *int     `json:"n"`
+	samplingFields
+	MaxNewTokens *int   `json:"max_new_tokens"`
+	SamplingSeed *int64 `json:"sampling_seed"` // SGLang's name for seed
 }
 
 // decodeGenerate decodes and checks a /generate body (no tokenization).
@@ -73,15 +62,10 @@ func decodeGenerate(body []byte) (*spec, *Error) {
 		sp.rid = *g.RID
 	}
 	if p := g.SamplingParams; p != nil {
-		seed := p.Seed
-		if seed == nil {
-			seed = p.SamplingSeed
+		if p.Seed == nil {
+			p.Seed = p.SamplingSeed
 		}
-		sp.sampling = sampling{
-			MaxNewTokens: p.MaxNewTokens, Temperature: p.Temperature, TopP: p.TopP, TopK: p.TopK, MinP: p.MinP,
-			FrequencyPenalty: p.FrequencyPenalty, PresencePenalty: p.PresencePenalty, RepetitionPenalty: p.RepetitionPenalty,
-			Stop: p.Stop, StopTokenIDs: p.StopTokenIDs, IgnoreEOS: p.IgnoreEOS, Seed: seed, N: p.N,
-		}
+		sp.sampling = p.sampling(p.MaxNewTokens, "max_new_tokens")
 	}
 	sp.sampling.maxName = "max_new_tokens"
 	sp.sampling.prefix = "sampling_params."

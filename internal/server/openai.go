@@ -16,9 +16,10 @@ type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
 }
 
-// openaiSampling is the sampling fields of both OpenAI bodies, with SGLang's
-// extensions (top_k, min_p, stop_token_ids, ignore_eos, rid).
-type openaiSampling struct {
+// samplingFields are the sampling fields /generate's sampling_params and
+// both OpenAI bodies share (with SGLang's extensions: top_k, min_p,
+// stop_token_ids, ignore_eos); each adds its own name for the token limit.
+type samplingFields struct {
 	Temperature       *float64 `json:"temperature"`
 	TopP              *float64 `json:"top_p"`
 	TopK              *int     `json:"top_k"`
@@ -33,7 +34,7 @@ type openaiSampling struct {
 	Seed              *int64   `json:"seed"`
 }
 
-func (o *openaiSampling) sampling(maxTokens *int, maxName string) sampling {
+func (o *samplingFields) sampling(maxTokens *int, maxName string) sampling {
 	return sampling{
 		MaxNewTokens: maxTokens, Temperature: o.Temperature, TopP: o.TopP, TopK: o.TopK, MinP: o.MinP,
 		FrequencyPenalty: o.FrequencyPenalty, PresencePenalty: o.PresencePenalty, RepetitionPenalty: o.RepetitionPenalty,
@@ -53,7 +54,7 @@ type completionRequest struct {
 	Echo          bool            `json:"echo"`
 	Suffix        *string         `json:"suffix"`
 	RID           *string         `json:"rid"`
-	openaiSampling
+	samplingFields
 	bootstrapFields
 }
 
@@ -100,7 +101,7 @@ func decodeCompletion(body []byte) (*openaiSpec, *Error) {
 	if c.RID != nil {
 		o.rid = *c.RID
 	}
-	o.sampling = c.openaiSampling.sampling(maxTokens, "max_tokens")
+	o.sampling = c.samplingFields.sampling(maxTokens, "max_tokens")
 	if o.boot, e = c.bootstrap(); e != nil {
 		return nil, e
 	}
@@ -122,7 +123,7 @@ type chatRequest struct {
 		Type string `json:"type"`
 	} `json:"response_format"`
 	RID *string `json:"rid"`
-	openaiSampling
+	samplingFields
 	bootstrapFields
 }
 
@@ -223,7 +224,7 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 	if c.RID != nil {
 		o.rid = *c.RID
 	}
-	o.sampling = c.openaiSampling.sampling(maxTokens, maxName)
+	o.sampling = c.samplingFields.sampling(maxTokens, maxName)
 	var e *Error
 	if o.boot, e = c.bootstrap(); e != nil {
 		return nil, e
