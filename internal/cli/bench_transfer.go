@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/spf13/cobra"
+	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/bench"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
@@ -18,12 +19,7 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 		Example: "  mooncake-go bench transfer --mode target --local-server-name 127.0.0.1:0\n" +
 			"  mooncake-go bench transfer --mode initiator --segment-id 127.0.0.1:PORT --protocol tcp --baseline",
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			lg, err := g.logger()
-			if err != nil {
-				return err
-			}
-			defer lg.Sync()
+		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
 			tf.backend, tf.metadata = cfg.Protocol, cfg.MetadataServer
 			var closers closers
 			defer func() { closers.Close() }()
@@ -39,7 +35,7 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 				AllocDevice: allocDevice,
 			}
 			return bench.RunTransfer(cmd.Context(), cfg, deps, cmd.OutOrStdout())
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.StringVar(&cfg.Mode, "mode", cfg.Mode, "target or initiator")

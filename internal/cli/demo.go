@@ -42,14 +42,9 @@ func newDemoCmd(g *globals) *cobra.Command {
 		Use:   "demo",
 		Short: "Run an embedded etcd, a prefill, a decode and an LB on this machine, and send a request",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			lg, err := g.logger()
-			if err != nil {
-				return err
-			}
-			defer lg.Sync()
+		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
 			return runDemo(cmd.Context(), &f, lg, cmd.OutOrStdout())
-		},
+		}),
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.modelPath, "model-path", "", "model (default: the built-in random-weight model)")

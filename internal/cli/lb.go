@@ -25,12 +25,7 @@ func newLBCmd(g *globals) *cobra.Command {
 		Use:   "lb",
 		Short: "Run the prefill/decode load balancer",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			lg, err := g.logger()
-			if err != nil {
-				return err
-			}
-			defer lg.Sync()
+		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
 			reg := newRegistry()
 			cfg.Logger, cfg.Registerer, cfg.Gatherer = lg, reg, reg
 			l, err := lb.New(cfg)
@@ -47,7 +42,7 @@ func newLBCmd(g *globals) *cobra.Command {
 				zap.Strings("prefill", cfg.Prefill), zap.Strings("decode", cfg.Decode), zap.String("policy", cfg.Policy))
 			srv := &http.Server{Handler: l.Handler(), ReadHeaderTimeout: 10 * time.Second}
 			return serveHTTP(ctx, srv, ln)
-		},
+		}),
 	}
 	f := cmd.Flags()
 	f.StringArrayVar(&cfg.Prefill, "prefill", nil, "prefill server URL (repeatable)")

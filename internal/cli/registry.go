@@ -24,12 +24,7 @@ func newRegistryCmd(g *globals) *cobra.Command {
 		Use:   "registry",
 		Short: "Run the HTTP metadata server (GET|PUT|DELETE /metadata?key=K)",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			lg, err := g.logger()
-			if err != nil {
-				return err
-			}
-			defer lg.Sync()
+		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
 			ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
 			if err != nil {
 				return fmt.Errorf("--port %d: %w", port, err)
@@ -38,7 +33,7 @@ func newRegistryCmd(g *globals) *cobra.Command {
 			fmt.Fprintf(cmd.OutOrStdout(), "listening on %s\n", ln.Addr())
 			lg.Info("metadata server listening", zap.String("addr", ln.Addr().String()))
 			return serveHTTP(cmd.Context(), srv, ln)
-		},
+		}),
 	}
 	cmd.Flags().StringVar(&host, "host", "127.0.0.1", "listen host")
 	cmd.Flags().IntVar(&port, "port", 8080, "listen port")

@@ -101,3 +101,16 @@ func (g *globals) logger() (*zap.Logger, error) {
 	cfg.DisableCaller = true
 	return cfg.Build()
 }
+
+// withLogger is a command's RunE with the process logger built from the
+// global flags (and flushed when the command ends).
+func (g *globals) withLogger(run func(cmd *cobra.Command, lg *zap.Logger) error) func(*cobra.Command, []string) error {
+	return func(cmd *cobra.Command, _ []string) error {
+		lg, err := g.logger()
+		if err != nil {
+			return err
+		}
+		defer lg.Sync()
+		return run(cmd, lg)
+	}
+}

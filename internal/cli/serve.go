@@ -50,14 +50,9 @@ func newServeCmd(g *globals) *cobra.Command {
 		Use:   "serve",
 		Short: "Serve a model (colocated, or as the prefill or decode side of a disaggregated pair)",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			lg, err := g.logger()
-			if err != nil {
-				return err
-			}
-			defer lg.Sync()
+		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
 			return runServe(cmd.Context(), &f, lg, cmd.OutOrStdout())
-		},
+		}),
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.modelPath, "model-path", "", "HF directory or llama2.c checkpoint (default: the built-in random-weight model)")
