@@ -255,7 +255,7 @@ func runInitiator(ctx context.Context, cfg TransferConfig, deps Deps) (*Result, 
 	if cfg.Baseline {
 		switch tp {
 		case "tcp":
-			kind, conns = "raw-tcp", lanes(e.Descriptor())
+			kind, conns = "raw-tcp", lanes(e.Self())
 		case "shm":
 			kind = "memcpy"
 		}

@@ -58,7 +58,7 @@ func printSelection(cmd *cobra.Command, out io.Writer, t *topo.Topology) error {
 			locs = append(locs, transfer.Location{Kind: transfer.CUDA, Index: g.Index})
 		}
 	}
-	self := e.Descriptor()
+	self := e.Self()
 	remote := self.Clone()
 	remote.Host = transfer.HostID{BootID: "other", MachineID: "other", NetNS: "other"}
 	fmt.Fprintf(out, "transports installed: %v\n", keys(self.Transports))

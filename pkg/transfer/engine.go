@@ -180,8 +180,6 @@ func (e *Engine) Addr() string { return e.self.Addr }
 // Incarnation is this process's incarnation id.
 func (e *Engine) Incarnation() string { return e.self.Incarnation }
 
-// Descriptor returns a copy of the published descriptor.
-func (e *Engine) Descriptor() *Descriptor { return e.Self() }
 
 // Host interface.
 
