@@ -55,7 +55,7 @@ func TestFallbackToTCP(t *testing.T) {
 	if err := target.RegisterMemory(ctx, uintptr(bytesAddr(plain)), uint64(len(plain)), transfer.Location{Kind: transfer.CPU}, transfer.AccessReadWrite); err != nil {
 		t.Fatalf("plain memory with tcp installed: %v", err)
 	}
-	if h := target.Descriptor().Regions; len(h) != 2 {
+	if h := target.Self().Regions; len(h) != 2 {
 		t.Fatalf("%d regions published", len(h))
 	}
 	src, err := init.AllocHost(ctx, 2<<20, 0, transfer.AccessReadWrite)

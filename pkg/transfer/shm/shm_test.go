@@ -305,7 +305,7 @@ func TestClusterToken(t *testing.T) {
 
 	// Skipping the engine's handshake: the unix socket wants a ticket.
 	var info Info
-	if err := jsonUnmarshal(target.Descriptor().Transports[Name], &info); err != nil {
+	if err := jsonUnmarshal(target.Self().Transports[Name], &info); err != nil {
 		t.Fatal(err)
 	}
 	c, err := net.Dial("unixpacket", info.Socket)

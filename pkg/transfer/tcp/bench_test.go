@@ -55,7 +55,7 @@ func BenchmarkTransfer(b *testing.B) {
 			})
 			conns := make([]net.Conn, lanes)
 			for i := range conns {
-				c, err := a.E.Dial(context.Background(), t.E.Descriptor(), "raw")
+				c, err := a.E.Dial(context.Background(), t.E.Self(), "raw")
 				if err != nil {
 					b.Fatal(err)
 				}

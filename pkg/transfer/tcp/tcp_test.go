@@ -64,7 +64,7 @@ func TestServerChecksEveryRequest(t *testing.T) {
 	rw := b.Alloc(t, 1<<16, transfer.AccessReadWrite)
 	ro := b.Alloc(t, 1<<16, transfer.AccessRead)
 	a := transfertest.NewNode(t, newTransports, nil)
-	conn, err := a.E.Dial(context.Background(), b.E.Descriptor(), tcp.Name)
+	conn, err := a.E.Dial(context.Background(), b.E.Self(), tcp.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
