@@ -180,7 +180,6 @@ func (e *Engine) Addr() string { return e.self.Addr }
 // Incarnation is this process's incarnation id.
 func (e *Engine) Incarnation() string { return e.self.Incarnation }
 
-
 // Host interface.
 
 func (e *Engine) Logger() *zap.Logger    { return e.lg }
