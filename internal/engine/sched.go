@@ -222,12 +222,22 @@ func (e *Engine) step(ctx context.Context) error {
 		return err
 	}
 
+	// Count before emitting: a client that sees its last token (or its pages
+	// back) must also see the tokens counted.
 	var prefillTokens, decodeTokens int
+	for _, n := range e.bchunk[:len(e.bseqs)] {
+		if n > 0 {
+			prefillTokens += n
+		} else {
+			decodeTokens++
+		}
+	}
+	e.m.prefillTokens.Add(float64(prefillTokens))
+	e.m.decodeTokens.Add(float64(decodeTokens))
 	for i, s := range e.bseqs {
 		logits := e.outs[i]
 		if n := e.bchunk[i]; n > 0 {
 			s.prefilled += n
-			prefillTokens += n
 			if s.hook != nil {
 				s.hook.Chunk(s.prefilled)
 			}
@@ -241,14 +251,11 @@ func (e *Engine) step(ctx context.Context) error {
 			e.emit(s, tok, e.logprob(s, logits, tok))
 			continue
 		}
-		decodeTokens++
 		s.pos++
 		tok := s.sampler.Sample(logits)
 		s.next[0] = int32(tok)
 		e.emit(s, tok, e.logprob(s, logits, tok))
 	}
-	e.m.prefillTokens.Add(float64(prefillTokens))
-	e.m.decodeTokens.Add(float64(decodeTokens))
 	e.compact()
 	return nil
 }
