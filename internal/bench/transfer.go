@@ -30,6 +30,8 @@ type TransferConfig struct {
 	Operation       string // read | write
 	BlockSize       int64
 	BatchSize       int
+	PageList        bool // each batch is one page-list request
+	Scatter         bool // blocks at permuted slots instead of consecutive ones
 	Threads         int
 	Duration        time.Duration
 	BufferSize      int64
@@ -97,6 +99,8 @@ type Result struct {
 	Operation   string    `json:"operation"`
 	BlockSize   int64     `json:"block_size"`
 	BatchSize   int       `json:"batch_size"`
+	PageList    bool      `json:"page_list,omitempty"`
+	Scatter     bool      `json:"scatter,omitempty"`
 	Threads     int       `json:"threads"`
 	Seconds     float64   `json:"seconds"`
 	Bytes       int64     `json:"bytes"`
@@ -248,7 +252,7 @@ func runInitiator(ctx context.Context, cfg TransferConfig, deps Deps) (*Result, 
 		return nil, err
 	}
 	res := &Result{Transport: tp, Operation: cfg.Operation, BlockSize: cfg.BlockSize, BatchSize: cfg.BatchSize,
-		Threads: cfg.Threads, SegmentName: cfg.SegmentID}
+		PageList: cfg.PageList, Scatter: cfg.Scatter, Threads: cfg.Threads, SegmentName: cfg.SegmentID}
 	var base *Baseline
 	var kind string
 	conns := 0
@@ -336,18 +340,45 @@ func lanes(d *transfer.Descriptor) int {
 }
 
 // reqs builds thread t's batch: BatchSize blocks at consecutive slots of
-// both buffers, wrapping around.
+// both buffers (or, with Scatter, slots permuted differently on each side),
+// wrapping around; with PageList, as one page-list request.
 func (r *run) reqs(t int) []transfer.Request {
 	cfg := r.cfg
 	lslots := cfg.BufferSize / cfg.BlockSize
 	rslots := int64(r.remote.Len) / cfg.BlockSize
+	lstride, rstride := int64(1), int64(1)
+	if cfg.Scatter {
+		lstride, rstride = coprimeStride(lslots, 40503), coprimeStride(rslots, 26371)
+	}
 	out := make([]transfer.Request, cfg.BatchSize)
 	for i := range out {
 		k := int64(t*cfg.BatchSize + i)
-		out[i] = transfer.Request{Op: r.op, Local: r.local + uintptr((k%lslots)*cfg.BlockSize), Len: uint64(cfg.BlockSize),
-			Segment: r.seg, Remote: r.remote.Addr + uint64((k%rslots)*cfg.BlockSize)}
+		out[i] = transfer.Request{Op: r.op, Local: r.local + uintptr((k*lstride%lslots)*cfg.BlockSize), Len: uint64(cfg.BlockSize),
+			Segment: r.seg, Remote: r.remote.Addr + uint64((k*rstride%rslots)*cfg.BlockSize)}
 	}
-	return out
+	if !cfg.PageList {
+		return out
+	}
+	l := transfer.Request{Op: r.op, Local: r.local, Len: uint64(cfg.BlockSize), Segment: r.seg, Remote: r.remote.Addr,
+		Pages: make([]transfer.PageOffset, len(out))}
+	for i, q := range out {
+		l.Pages[i] = transfer.PageOffset{Local: uint64(q.Local - r.local), Remote: q.Remote - r.remote.Addr}
+	}
+	return []transfer.Request{l}
+}
+
+// coprimeStride is the first stride from s up that is coprime with n, so
+// that k*stride mod n visits every slot.
+func coprimeStride(n, s int64) int64 {
+	for ; ; s++ {
+		a, b := s, n
+		for b != 0 {
+			a, b = b, a%b
+		}
+		if a == 1 {
+			return s % max(n, 1)
+		}
+	}
 }
 
 func (r *run) batch(ctx context.Context, t int) (string, error) {
@@ -494,8 +525,15 @@ func report(out io.Writer, cfg TransferConfig, r *Result) error {
 		enc := json.NewEncoder(out)
 		return enc.Encode(r)
 	}
-	fmt.Fprintf(out, "segment %s  transport %s  operation %s  block %d  batch %d  threads %d\n",
-		r.SegmentName, r.Transport, r.Operation, r.BlockSize, r.BatchSize, r.Threads)
+	form := ""
+	if r.PageList {
+		form += "  page-list"
+	}
+	if r.Scatter {
+		form += "  scattered"
+	}
+	fmt.Fprintf(out, "segment %s  transport %s  operation %s  block %d  batch %d%s  threads %d\n",
+		r.SegmentName, r.Transport, r.Operation, r.BlockSize, r.BatchSize, form, r.Threads)
 	fmt.Fprintf(out, "throughput %.3f GB/s (%.3f GiB/s)  %d batches in %.2fs  latency p50 %.3f ms  p99 %.3f ms\n",
 		r.GBps, r.GiBps, r.Batches, r.Seconds, r.P50Ms, r.P99Ms)
 	if b := r.Baseline; b != nil {

@@ -140,8 +140,38 @@ func TestRunTransfer(t *testing.T) {
 			}
 		}
 	}
+	// Scattered blocks as one page-list request per batch.
+	c := DefaultTransferConfig()
+	c.SegmentID, c.BufferSize, c.BlockSize, c.BatchSize, c.Threads = name, 8<<20, 4096, 256, 2
+	c.Duration, c.JSON, c.PageList, c.Scatter = 200*time.Millisecond, true, true, true
+	var out bytes.Buffer
+	if err := RunTransfer(context.Background(), c, tcpDeps(2), &out); err != nil {
+		t.Fatal(err)
+	}
+	var r Result
+	if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+		t.Fatalf("json %q: %v", out.String(), err)
+	}
+	if !r.PageList || !r.Scatter || r.Bytes == 0 || r.Bytes%(256*4096) != 0 {
+		t.Fatalf("page-list result %+v", r)
+	}
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestScatterSlots: the permuted slots of a batch are distinct and in range.
+func TestScatterSlots(t *testing.T) {
+	for _, n := range []int64{1, 2, 7, 1024, 1000, 40503, 262144} {
+		s := coprimeStride(n, 40503)
+		seen := map[int64]bool{}
+		for k := int64(0); k < n; k++ {
+			v := k * s % n
+			if v < 0 || v >= n || seen[v] {
+				t.Fatalf("n %d stride %d: slot %d repeated or out of range", n, s, v)
+			}
+			seen[v] = true
+		}
 	}
 }

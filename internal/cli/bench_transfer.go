@@ -46,6 +46,8 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 	f.StringVar(&cfg.Operation, "operation", cfg.Operation, "read or write")
 	f.Int64Var(&cfg.BlockSize, "block-size", cfg.BlockSize, "bytes per request")
 	f.IntVar(&cfg.BatchSize, "batch-size", cfg.BatchSize, "requests per batch")
+	f.BoolVar(&cfg.PageList, "page-list", false, "send each batch as one page-list request of --batch-size pages")
+	f.BoolVar(&cfg.Scatter, "scatter", false, "place the blocks at permuted slots of both buffers, not consecutive ones")
 	f.IntVar(&cfg.Threads, "threads", cfg.Threads, "concurrent submitters")
 	f.DurationVar(&cfg.Duration, "duration", cfg.Duration, "measurement time")
 	f.Int64Var(&cfg.BufferSize, "buffer-size", cfg.BufferSize, "registered buffer size on each side")

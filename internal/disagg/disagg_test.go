@@ -235,15 +235,35 @@ func TestRoomSuccess(t *testing.T) {
 		decodeFirst  bool
 		registerLate bool // decode registers after the engine finished
 		settle       bool // every page is pushed before Done (the first token still must arrive)
+		fragment     bool // decode's free pages are every other page: single pages go as a page list
 	}{
 		{name: "page-aligned prompt pushed before Done", prompt: 16, chunks: []int{8, 16}, decodeFirst: true, settle: true},
 		{name: "one chunk", prompt: 3, chunks: []int{3}, decodeFirst: true},
 		{name: "chunks, decode first", prompt: 37, chunks: []int{8, 16, 30, 37}, decodeFirst: true},
 		{name: "chunks, prefill first", prompt: 37, chunks: []int{10, 37}},
 		{name: "engine done before registration", prompt: 21, chunks: []int{12, 21}, registerLate: true},
+		{name: "fragmented decode pool", prompt: 37, chunks: []int{10, 37}, decodeFirst: true, fragment: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			x := newPD(t, pdOpts{})
+			var held []int32 // decode pages taken to fragment its pool
+			if tc.fragment {
+				all, err := x.dec.pages.Alloc(testLayout.Pages)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var even []int32
+				for _, p := range all {
+					if p%2 == 0 {
+						even = append(even, p)
+					} else {
+						held = append(held, p)
+					}
+				}
+				if err := x.dec.pages.Release(even); err != nil {
+					t.Fatal(err)
+				}
+			}
 			room := uint64(0x5eed0000 + tc.prompt)
 			dreq := &engine.Request{ID: "d", InputIDs: make([]int, tc.prompt)}
 			var dch chan prepResult
@@ -292,6 +312,21 @@ func TestRoomSuccess(t *testing.T) {
 			if len(pl.Pages) != len(f.pages) {
 				t.Fatalf("decode has %d pages, prefill %d", len(pl.Pages), len(f.pages))
 			}
+			for i := 1; tc.fragment && i < len(pl.Pages); i++ {
+				if pl.Pages[i] == pl.Pages[i-1]+1 {
+					t.Fatalf("decode pages %v are not fragmented", pl.Pages)
+				}
+			}
+			// The pages between them were not written.
+			for _, p := range held {
+				for l := 0; l < testLayout.Layers; l++ {
+					for k := kvcache.K; k <= kvcache.V; k++ {
+						if b := x.dec.pool.Page(l, k, int(p)); !bytes.Equal(b, make([]byte, len(b))) {
+							t.Fatalf("decode page %d (not the room's) layer %d kind %d was written", p, l, k)
+						}
+					}
+				}
+			}
 			for i := range f.pages {
 				for l := 0; l < testLayout.Layers; l++ {
 					for k := kvcache.K; k <= kvcache.V; k++ {
@@ -306,10 +341,13 @@ func TestRoomSuccess(t *testing.T) {
 			f.waitReleased(t, 2*time.Second)
 			waitFor(t, "prefill rooms gone", 2*time.Second, func() bool { return x.p.Rooms() == 0 })
 			// The pages belong to the decode engine now; it frees them.
-			if got, want := x.dec.pages.Free(), testLayout.Pages-len(pl.Pages); got != want {
+			if got, want := x.dec.pages.Free(), testLayout.Pages-len(pl.Pages)-len(held); got != want {
 				t.Fatalf("decode free pages %d, want %d", got, want)
 			}
 			if err := x.dec.pages.Release(pl.Pages); err != nil {
+				t.Fatal(err)
+			}
+			if err := x.dec.pages.Release(held); err != nil {
 				t.Fatal(err)
 			}
 			if x.d.aux.inUse() != 0 || x.p.aux.inUse() != 0 {

@@ -475,10 +475,22 @@ func (r *proom) push() error {
 	if p.cfg.FailTransfers {
 		remote = faultRemote
 	}
+	// Runs of several pages go as requests of their own; single pages (a
+	// fragmented pool) as one page-list request.
+	pb := int64(lay.PageBytes())
+	var single []transfer.PageOffset
 	for _, pr := range pairs {
+		n += pr.Len
+		if pr.Len == pb {
+			single = append(single, transfer.PageOffset{Local: uint64(pr.Src), Remote: uint64(pr.Dst)})
+			continue
+		}
 		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr + uint64(pr.Src)),
 			Len: uint64(pr.Len), Segment: seg, Remote: remote + uint64(pr.Dst)})
-		n += pr.Len
+	}
+	if len(single) > 0 {
+		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr), Len: uint64(pb),
+			Segment: seg, Remote: remote, Pages: single})
 	}
 	slot := -1
 	if done {

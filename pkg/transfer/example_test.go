@@ -50,7 +50,18 @@ func Example() {
 		Op: transfer.Write, Local: uintptr(src.Addr()), Len: 4096, Segment: seg, Remote: dst.Addr() + uint64(dst.Size()) - 10,
 	}})
 	fmt.Println(bytes.Contains([]byte(fmt.Sprint(err)), []byte("crosses the end")))
+
+	// A page list: three 4-byte pages scattered on both sides, one request.
+	copy(src.Bytes()[1000:], "AAAA")
+	copy(src.Bytes()[2000:], "BBBB")
+	copy(src.Bytes()[3000:], "CCCC")
+	err = init.Transfer(ctx, []transfer.Request{{
+		Op: transfer.Write, Local: uintptr(src.Addr()), Len: 4, Segment: seg, Remote: dst.Addr(),
+		Pages: []transfer.PageOffset{{Local: 3000, Remote: 0}, {Local: 1000, Remote: 8}, {Local: 2000, Remote: 4}},
+	}})
+	fmt.Println(err, string(dst.Bytes()[:12]))
 	// Output:
 	// <nil> hello, decode
 	// true
+	// <nil> CCCCBBBBAAAA
 }

@@ -20,14 +20,16 @@ func (nopTransport) UnregisterRegion(*Region)                         {}
 func (nopTransport) CanServe(Location, *Descriptor, *RegionInfo) bool { return true }
 func (nopTransport) DropPeer(*Descriptor)                             {}
 func (nopTransport) Close() error                                     { return nil }
+func (nopTransport) PageLists() bool                                  { return true }
 func (nopTransport) Submit(_ context.Context, _ *Descriptor, tasks []*Task) {
 	for _, t := range tasks {
 		t.Done(nil)
 	}
 }
 
-// BenchmarkSubmit is the engine's cost per request of a 65536-page batch
-// (loopback segment, no bytes moved).
+// BenchmarkSubmit is the engine's cost per page of a 65536-page batch
+// (loopback segment, no bytes moved): one request per page, or the pages as
+// one page-list request.
 func BenchmarkSubmit(b *testing.B) {
 	ctx := context.Background()
 	e, err := New(ctx, Config{Transports: []Transport{nopTransport{}}})
@@ -42,14 +44,24 @@ func BenchmarkSubmit(b *testing.B) {
 		b.Fatal(err)
 	}
 	reqs := make([]Request, n)
+	pages := make([]PageOffset, n)
 	for i := range reqs {
 		reqs[i] = Request{Op: Write, Local: base + uintptr(i*page), Len: page, Segment: LocalSegment, Remote: uint64(base) + uint64((n+i)*page)}
+		pages[i] = PageOffset{Local: uint64(i * page), Remote: uint64((n - 1 - i) * page)}
 	}
-	b.ReportAllocs()
-	for b.Loop() {
-		if err := e.Transfer(ctx, reqs); err != nil {
-			b.Fatal(err)
-		}
+	list := []Request{{Op: Write, Local: base, Len: page, Segment: LocalSegment, Remote: uint64(base) + n*page, Pages: pages}}
+	for _, c := range []struct {
+		name string
+		reqs []Request
+	}{{"requests", reqs}, {"pagelist", list}} {
+		b.Run(c.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := e.Transfer(ctx, c.reqs); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/page")
+		})
 	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/request")
 }

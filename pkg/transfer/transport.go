@@ -47,6 +47,18 @@ type Transport interface {
 	Close() error
 }
 
+// PageLister is implemented by transports that move page-list tasks. The
+// engine refuses a page-list request that would go through any other
+// transport, since such a transport would copy the task's whole extent.
+type PageLister interface {
+	PageLists() bool
+}
+
+func takesPageLists(t Transport) bool {
+	pl, ok := t.(PageLister)
+	return ok && pl.PageLists()
+}
+
 // Region is a registered local region.
 type Region struct {
 	RegionInfo
@@ -60,11 +72,18 @@ type Region struct {
 }
 
 // Task is one request as a transport sees it: bounds already checked.
+//
+// A page-list task (Pages set) moves PageLen bytes between Local+p.Local and
+// Remote+p.Remote for each p; Len is then its remote extent (the engine
+// checked [Remote, Remote+Len), and every local page), so a transport's own
+// check of [Remote, Remote+Len) covers every page.
 type Task struct {
-	Op     Op
-	Local  uint64 // local address
-	Len    uint64
-	Remote uint64 // address inside Region
+	Op      Op
+	Local   uint64 // local address
+	Len     uint64
+	Remote  uint64 // address inside Region
+	PageLen uint64
+	Pages   []PageOffset
 	// Region is the remote region holding [Remote, Remote+Len).
 	Region *RegionInfo
 	// LocalRegion is the local registered region holding [Local, Local+Len).
@@ -76,6 +95,14 @@ type Task struct {
 	fired atomic.Bool
 	state TaskState // under b.mu
 	err   error     // under b.mu
+}
+
+// Bytes is how many bytes the task moves.
+func (t *Task) Bytes() uint64 {
+	if t.Pages != nil {
+		return t.PageLen * uint64(len(t.Pages))
+	}
+	return t.Len
 }
 
 // Done reports the task's result; only the first call counts.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
 // rig is the initiator process of the GPU tests: an engine with nvlink and
@@ -36,6 +37,15 @@ type rig struct {
 	local  *cuda.Pool // 1 GiB, registered cuda:gpu
 	lhost  *transfer.HostMemory
 	nextID int
+	lists  bool // send the cases' pages as one page-list request
+}
+
+// submitReqs is reqs as the rig sends them: as they are, or as a page list.
+func (r *rig) submitReqs(reqs []transfer.Request) []transfer.Request {
+	if r.lists {
+		return transfertest.PageList(reqs)
+	}
+	return reqs
 }
 
 func needGPU(t testing.TB) int {
@@ -191,7 +201,7 @@ func (r *rig) writeCase(t *testing.T, region string, page uint64, n int, fromHos
 		reqs[i] = transfer.Request{Op: transfer.Write, Local: uintptr(src + uint64(i)*page), Len: page, Segment: r.seg,
 			Remote: tr.Addr + slotOf(i, mul, add, slots)*page}
 	}
-	b, err := r.e.Submit(context.Background(), reqs)
+	b, err := r.e.Submit(context.Background(), r.submitReqs(reqs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,7 +241,7 @@ func (r *rig) readCase(t *testing.T, region string, page uint64, n int) {
 		reqs[i] = transfer.Request{Op: transfer.Read, Local: uintptr(uint64(r.local.Ptr()) + uint64(i)*page), Len: page, Segment: r.seg,
 			Remote: tr.Addr + slotOf(i, mul, add, slots)*page}
 	}
-	if err := r.e.Transfer(context.Background(), reqs); err != nil {
+	if err := r.e.Transfer(context.Background(), r.submitReqs(reqs)); err != nil {
 		t.Fatal(err)
 	}
 	got := make([]byte, total+guard)
@@ -283,6 +293,20 @@ func TestGPUReadGPUFromGPU(t *testing.T) {
 			t.Run(fmt.Sprintf("page=%dKiB/batch=%d", page>>10, n), func(t *testing.T) { r.readCase(t, "pool", page, n) })
 		}
 	}
+}
+
+// TestGPUPageList: the same cases as one page-list request each.
+func TestGPUPageList(t *testing.T) {
+	r := getRig(t)
+	r.lists = true
+	defer func() { r.lists = false }()
+	for _, page := range []uint64{4 << 10, 64 << 10} {
+		for _, n := range counts(page, r.tg.region("pool").Len, []int{1, 100, 65536}) {
+			t.Run(fmt.Sprintf("write/page=%dKiB/batch=%d", page>>10, n), func(t *testing.T) { r.writeCase(t, "pool", page, n, false) })
+			t.Run(fmt.Sprintf("read/page=%dKiB/batch=%d", page>>10, n), func(t *testing.T) { r.readCase(t, "pool", page, n) })
+		}
+	}
+	t.Run("write/host/page=4KiB/batch=4096", func(t *testing.T) { r.writeCase(t, "host", 4<<10, 4096, false) })
 }
 
 func TestGPUWriteGPUToHost(t *testing.T) {

@@ -138,7 +138,10 @@ type Transport struct {
 	closed bool
 }
 
-var _ transfer.Transport = (*Transport)(nil)
+var (
+	_ transfer.Transport  = (*Transport)(nil)
+	_ transfer.PageLister = (*Transport)(nil)
+)
 
 // New returns the nvlink transport, or an error saying why no GPU transport
 // can work in this process (no driver, no device, built without cgo).
@@ -180,6 +183,9 @@ func newTransport(name string, fabric bool, cfg Config) (*Transport, error) {
 
 // Name implements transfer.Transport.
 func (t *Transport) Name() string { return t.name }
+
+// PageLists says the transport moves page-list tasks page by page.
+func (t *Transport) PageLists() bool { return true }
 
 // Reach implements transfer.Transport: nvlink serves the same machine;
 // an active mnnvl peers in the same NVLink domain, which may be other

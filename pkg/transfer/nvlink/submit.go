@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"unsafe"
 
@@ -228,11 +229,21 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 				transfer.ErrAccessDenied, t.name, k.Region.Addr, k.Region.Len, p.desc.Name, m.owner, di)})
 			continue
 		}
-		remote := m.ptr(k.Remote)
-		if k.Op == transfer.Write {
-			g.descs = append(g.descs, cuda.CopyDesc{Src: local, Dst: remote, Len: k.Len})
+		src, dst := local, m.ptr(k.Remote)
+		if k.Op == transfer.Read {
+			src, dst = dst, src
+		}
+		if k.Pages == nil {
+			g.descs = append(g.descs, cuda.CopyDesc{Src: src, Dst: dst, Len: k.Len})
 		} else {
-			g.descs = append(g.descs, cuda.CopyDesc{Src: remote, Dst: local, Len: k.Len})
+			g.descs = slices.Grow(g.descs, len(k.Pages))
+			for _, pg := range k.Pages {
+				so, do := pg.Local, pg.Remote
+				if k.Op == transfer.Read {
+					so, do = do, so
+				}
+				g.descs = append(g.descs, cuda.CopyDesc{Src: src + cuda.DevicePtr(so), Dst: dst + cuda.DevicePtr(do), Len: k.PageLen})
+			}
 		}
 		g.tasks = append(g.tasks, k)
 	}

@@ -20,7 +20,7 @@ import (
 func (t *Transport) Submit(ctx context.Context, d *transfer.Descriptor, tasks []*transfer.Task) {
 	var total uint64
 	for _, k := range tasks {
-		total += k.Len
+		total += k.Bytes()
 	}
 	t.peers.Submit(d, tasks, func(p *peer) bool {
 		if p.link.Connected() && (total < uint64(t.cfg.ParallelMin) || int(t.busy.Load()) >= t.cfg.Copiers) {
@@ -92,7 +92,16 @@ func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, to
 			k.Done(err)
 			continue
 		}
-		jobs = append(jobs, j)
+		if k.Pages == nil {
+			jobs = append(jobs, j)
+			continue
+		}
+		// One job per page, each ending the task when done (Done counts
+		// once); the job check covered the remote extent.
+		for _, pg := range k.Pages {
+			jobs = append(jobs, job{k: k, local: bytesAt(k.Local+pg.Local, k.PageLen),
+				remote: j.remote[pg.Remote : pg.Remote+k.PageLen : pg.Remote+k.PageLen]})
+		}
 	}
 	if parallel && total >= uint64(t.cfg.ParallelMin) && t.cfg.Copiers > 1 {
 		copyParallel(ctx, jobs, total, t.cfg.Copiers)
@@ -177,7 +186,11 @@ func (p *peer) job(k *transfer.Task, h Handle, refused map[uint64]string) (job, 
 		return job{}, &transfer.RangeError{Addr: k.Remote, Len: k.Len, Err: transfer.ErrAccessDenied,
 			Detail: fmt.Sprintf("shm region %d was shared read-only", h.ID)}
 	}
-	return job{k: k, local: bytesAt(k.Local, k.Len), remote: mem[off : off+k.Len : off+k.Len]}, nil
+	j := job{k: k, remote: mem[off : off+k.Len : off+k.Len]}
+	if k.Pages == nil {
+		j.local = bytesAt(k.Local, k.Len)
+	}
+	return j, nil
 }
 
 // bytesAt is the registered local memory [addr, addr+n). The engine checked

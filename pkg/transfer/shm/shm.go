@@ -93,7 +93,10 @@ type Transport struct {
 	busy atomic.Int32
 }
 
-var _ transfer.Transport = (*Transport)(nil)
+var (
+	_ transfer.Transport  = (*Transport)(nil)
+	_ transfer.PageLister = (*Transport)(nil)
+)
 
 // New returns an shm transport; it starts working when the engine calls
 // Start.
@@ -115,6 +118,9 @@ func New(cfg Config) *Transport {
 
 // Name implements transfer.Transport.
 func (t *Transport) Name() string { return Name }
+
+// PageLists says the transport moves page-list tasks page by page.
+func (t *Transport) PageLists() bool { return true }
 
 // Reach implements transfer.Transport: same machine and network namespace
 // only.

@@ -174,7 +174,9 @@ func (pc *piece) finish(err error) {
 	}
 }
 
-// dispatch splits tasks into pieces and hands them to the least loaded lanes.
+// dispatch splits tasks into pieces (a page-list task into its pages, and
+// anything over the chunk size into chunks) and hands them to the least
+// loaded lanes.
 func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Task) {
 	if p.err != nil {
 		failAll(tasks, p.err)
@@ -183,7 +185,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 	chunk := uint64(t.cfg.ChunkSize)
 	n := 0
 	for _, tk := range tasks {
-		n += int((tk.Len + chunk - 1) / chunk)
+		n += piecesOf(tk, chunk)
 	}
 	pieces := make([]piece, n)
 	perLane := make([][]*piece, len(p.lanes))
@@ -192,29 +194,42 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		load[i] = l.load.Load()
 	}
 	k := 0
+	add := func(pc *piece) {
+		best := 0
+		for i := range load {
+			if load[i] < load[best] {
+				best = i
+			}
+		}
+		load[best] += int64(pc.n) + reqSize
+		perLane[best] = append(perLane[best], pc)
+	}
 	for _, tk := range tasks {
 		op := uint8(opWrite)
 		if tk.Op == transfer.Read {
 			op = opRead
 		}
 		var split *atomic.Int64
-		if tk.Len > chunk {
+		if np := piecesOf(tk, chunk); np > 1 {
 			split = new(atomic.Int64)
-			split.Store(int64((tk.Len + chunk - 1) / chunk))
+			split.Store(int64(np))
 		}
-		for off := uint64(0); off < tk.Len; off += chunk {
-			pc := &pieces[k]
-			k++
-			*pc = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
-				task: tk, split: split, ctx: ctx}
-			best := 0
-			for i := range load {
-				if load[i] < load[best] {
-					best = i
-				}
+		if tk.Pages == nil {
+			for off := uint64(0); off < tk.Len; off += chunk {
+				pieces[k] = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
+					task: tk, split: split, ctx: ctx}
+				add(&pieces[k])
+				k++
 			}
-			load[best] += int64(pc.n) + reqSize
-			perLane[best] = append(perLane[best], pc)
+			continue
+		}
+		for _, pg := range tk.Pages {
+			for off := uint64(0); off < tk.PageLen; off += chunk {
+				pieces[k] = piece{op: op, local: tk.Local + pg.Local + off, remote: tk.Remote + pg.Remote + off,
+					n: min(chunk, tk.PageLen-off), task: tk, split: split, ctx: ctx}
+				add(&pieces[k])
+				k++
+			}
 		}
 	}
 	for i, l := range p.lanes {
@@ -222,6 +237,14 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 			l.enqueue(perLane[i])
 		}
 	}
+}
+
+// piecesOf is how many pieces tk goes out as.
+func piecesOf(tk *transfer.Task, chunk uint64) int {
+	if tk.Pages == nil {
+		return int((tk.Len + chunk - 1) / chunk)
+	}
+	return len(tk.Pages) * int((tk.PageLen+chunk-1)/chunk)
 }
 
 // lane is one data connection to a peer: a writer goroutine sends queued

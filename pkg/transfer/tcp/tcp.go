@@ -93,7 +93,10 @@ type Transport struct {
 	wg     sync.WaitGroup // lane and dial goroutines
 }
 
-var _ transfer.Transport = (*Transport)(nil)
+var (
+	_ transfer.Transport  = (*Transport)(nil)
+	_ transfer.PageLister = (*Transport)(nil)
+)
 
 // New returns a tcp transport. An invalid cfg makes Start fail.
 func New(cfg Config) *Transport {
@@ -105,7 +108,10 @@ func New(cfg Config) *Transport {
 // Config returns the configuration in use (defaults filled in).
 func (t *Transport) Config() Config { return t.cfg }
 
-func (t *Transport) Name() string          { return Name }
+func (t *Transport) Name() string { return Name }
+
+// PageLists says the transport moves page-list tasks page by page.
+func (t *Transport) PageLists() bool       { return true }
 func (t *Transport) Reach() transfer.Reach { return transfer.ReachNetwork }
 
 // Start registers the lane handler with the engine.

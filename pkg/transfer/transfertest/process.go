@@ -220,7 +220,7 @@ func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec stri
 	var remote []byte = readBack()
 	remote = append([]byte(nil), remote...)
 	checkBytes(t, "initial target memory", remote, bytesOf(Poison, size))
-	for _, c := range dataCases {
+	for _, c := range append(dataCases, pageCases()...) {
 		if c.count*c.size(rng) > size/2 {
 			continue
 		}
@@ -234,6 +234,9 @@ func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec stri
 				reqs[i] = transfer.Request{Op: transfer.Write, Local: addrOf(am.Bytes()) + uintptr(s.src), Len: uint64(s.n),
 					Segment: seg, Remote: tg.Region + uint64(s.dst)}
 			}
+			if c.pages {
+				reqs = PageList(reqs)
+			}
 			if err := a.E.Transfer(context.Background(), reqs); err != nil {
 				t.Fatal(err)
 			}
@@ -242,8 +245,10 @@ func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec stri
 			// Read the same spans back into poisoned local memory.
 			fill(am.Bytes(), Poison)
 			wantLocal := bytesOf(Poison, size)
-			for i, s := range spans {
+			for _, s := range spans {
 				copy(wantLocal[s.src:s.src+s.n], remote[s.dst:s.dst+s.n])
+			}
+			for i := range reqs {
 				reqs[i].Op = transfer.Read
 			}
 			if err := a.E.Transfer(context.Background(), reqs); err != nil {

@@ -132,25 +132,38 @@ type dataCase struct {
 	name  string
 	count int
 	size  func(rng *rand.Rand) int
+	pages bool // sent as one page-list request (set by pageCases)
 }
 
 func fixed(n int) func(*rand.Rand) int { return func(*rand.Rand) int { return n } }
 
+// pageCases are the fixed-size data cases as page lists.
+func pageCases() []dataCase {
+	var out []dataCase
+	for _, c := range dataCases {
+		if c.name[0] != 'm' { // "mixed" sizes are no page list
+			c.name, c.pages = "pages/"+c.name, true
+			out = append(out, c)
+		}
+	}
+	return out
+}
+
 var dataCases = []dataCase{
-	{"1B", 1, fixed(1)},
-	{"3Bx17", 17, fixed(3)},
-	{"4095Bx64", 64, fixed(4095)},
-	{"4KiBx1024", 1024, fixed(4096)},
-	{"64KiB+1x100", 100, fixed(65537)},
-	{"1MiB+7x6", 6, fixed(1<<20 + 7)},
-	{"4MiBx3", 3, fixed(4 << 20)},
-	{"mixed1..16KiBx1024", 1024, func(r *rand.Rand) int { return 1 + r.IntN(16<<10) }},
+	{name: "1B", count: 1, size: fixed(1)},
+	{name: "3Bx17", count: 17, size: fixed(3)},
+	{name: "4095Bx64", count: 64, size: fixed(4095)},
+	{name: "4KiBx1024", count: 1024, size: fixed(4096)},
+	{name: "64KiB+1x100", count: 100, size: fixed(65537)},
+	{name: "1MiB+7x6", count: 6, size: fixed(1<<20 + 7)},
+	{name: "4MiBx3", count: 3, size: fixed(4 << 20)},
+	{name: "mixed1..16KiBx1024", count: 1024, size: func(r *rand.Rand) int { return 1 + r.IntN(16<<10) }},
 }
 
 // transferCheck moves spans between a's src and b's dst (write) or b's src
 // into a's dst (read) and checks every byte of the destination buffer.
 func transferCheck(t testing.TB, a *transfer.Engine, seg transfer.SegmentID, local, remote []byte, remoteAddr uint64,
-	op transfer.Op, spans []span, rng *rand.Rand, readRemote func() []byte) {
+	op transfer.Op, spans []span, rng *rand.Rand, readRemote func() []byte, asPages bool) {
 	t.Helper()
 	// The source side gets random data, the destination side poison.
 	src, dst := local, remote
@@ -175,10 +188,13 @@ func transferCheck(t testing.TB, a *transfer.Engine, seg transfer.SegmentID, loc
 		}
 		reqs[i] = r
 	}
+	if asPages {
+		reqs = PageList(reqs)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	if err := a.Transfer(ctx, reqs); err != nil {
-		t.Fatalf("%v of %d blocks: %v", op, len(reqs), err)
+		t.Fatalf("%v of %d blocks: %v", op, len(spans), err)
 	}
 	got := dst
 	if op == transfer.Write && readRemote != nil {
@@ -232,11 +248,11 @@ func testData(t *testing.T, nt func() []transfer.Transport) {
 	am, bm := a.Alloc(t, bufSize, transfer.AccessReadWrite), b.Alloc(t, bufSize, transfer.AccessReadWrite)
 	seg := open(t, a.E, b.E.Name())
 	rng := rand.New(rand.NewPCG(1, 2))
-	for _, c := range dataCases {
+	for _, c := range append(dataCases, pageCases()...) {
 		for _, op := range []transfer.Op{transfer.Write, transfer.Read} {
 			t.Run(c.name+"/"+op.String(), func(t *testing.T) {
 				spans := layout(rng, c.count, bufSize, func() int { return c.size(rng) })
-				transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), op, spans, rng, nil)
+				transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), op, spans, rng, nil, c.pages)
 			})
 		}
 	}
@@ -244,7 +260,7 @@ func testData(t *testing.T, nt func() []transfer.Transport) {
 		// The engine's own segment goes through the same checks and transports.
 		lm := a.Alloc(t, 1<<20, transfer.AccessReadWrite)
 		spans := layout(rng, 50, 1<<20, func() int { return 1 + rng.IntN(8<<10) })
-		transferCheck(t, a.E, transfer.LocalSegment, am.Bytes()[:1<<20], lm.Bytes(), lm.Addr(), transfer.Write, spans, rng, nil)
+		transferCheck(t, a.E, transfer.LocalSegment, am.Bytes()[:1<<20], lm.Bytes(), lm.Addr(), transfer.Write, spans, rng, nil, false)
 	})
 }
 
@@ -286,6 +302,26 @@ func testConcurrent(t *testing.T, nt func() []transfer.Transport) {
 			}
 		}
 	}
+}
+
+// PageList turns reqs (one segment and op, equal lengths) into one
+// page-list request based at their lowest local and remote addresses.
+func PageList(reqs []transfer.Request) []transfer.Request {
+	if len(reqs) == 0 {
+		return reqs
+	}
+	r := reqs[0]
+	for _, q := range reqs {
+		if q.Len != r.Len || q.Op != r.Op || q.Segment != r.Segment {
+			panic("transfertest: PageList of unequal requests")
+		}
+		r.Local, r.Remote = min(r.Local, q.Local), min(r.Remote, q.Remote)
+	}
+	r.Pages = make([]transfer.PageOffset, len(reqs))
+	for i, q := range reqs {
+		r.Pages[i] = transfer.PageOffset{Local: uint64(q.Local - r.Local), Remote: q.Remote - r.Remote}
+	}
+	return []transfer.Request{r}
 }
 
 // mustFail checks err wraps want, names the range [addr, addr+n) and that
@@ -358,6 +394,40 @@ func testOutOfBounds(t *testing.T, nt func() []transfer.Transport) {
 			})
 		}
 	}
+	// A page list is refused whole when one page leaves the region.
+	for _, op := range []transfer.Op{transfer.Write, transfer.Read} {
+		for _, c := range []struct {
+			name  string
+			pages []transfer.PageOffset
+			n     uint64
+			want  error
+		}{
+			{"page crosses end", []transfer.PageOffset{{Local: 0, Remote: 0}, {Local: 4096, Remote: uint64(bm.Size()) - 100}}, 200, transfer.ErrOutOfBounds},
+			{"local page outside", []transfer.PageOffset{{Local: 0, Remote: 0}, {Local: uint64(am.Size()), Remote: 4096}}, 64, transfer.ErrOutOfBounds},
+			{"wrapping offset", []transfer.PageOffset{{Local: 0, Remote: ^uint64(0) - 10}}, 64, transfer.ErrOutOfBounds},
+			{"empty list", []transfer.PageOffset{}, 64, transfer.ErrOutOfBounds},
+			{"zero length", []transfer.PageOffset{{Local: 0, Remote: 0}}, 0, transfer.ErrOutOfBounds},
+		} {
+			t.Run("pages/"+c.name+"/"+op.String(), func(t *testing.T) {
+				fill(bm.Bytes(), Poison)
+				before := append([]byte(nil), am.Bytes()...)
+				err := a.E.Transfer(ctx, []transfer.Request{
+					{Op: op, Local: addrOf(am.Bytes()), Len: 100, Segment: seg, Remote: bm.Addr()},
+					{Op: op, Local: addrOf(am.Bytes()), Len: c.n, Segment: seg, Remote: bm.Addr(), Pages: c.pages},
+				})
+				if !errors.Is(err, c.want) {
+					t.Fatalf("got %v, want an error wrapping %v", err, c.want)
+				}
+				if !strings.Contains(err.Error(), "request 1") {
+					t.Errorf("error %q does not name request 1", err)
+				}
+				checkBytes(t, "remote memory after a refused batch", bm.Bytes(), bytes.Repeat([]byte{Poison}, len(bm.Bytes())))
+				if !bytes.Equal(before, am.Bytes()) {
+					t.Fatal("refused read changed local memory")
+				}
+			})
+		}
+	}
 	t.Run("local unregistered", func(t *testing.T) {
 		local := make([]byte, 64)
 		heapSink = local // on the heap: a stack slice could move
@@ -407,7 +477,7 @@ func testReadOnly(t *testing.T, nt func() []transfer.Transport) {
 	// Reads are allowed.
 	fillRandom(rng, bm.Bytes())
 	spans := layout(rng, 20, 1<<20, func() int { return 1 + rng.IntN(20000) })
-	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Read, spans, rng, nil)
+	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Read, spans, rng, nil, false)
 }
 
 func testToken(t *testing.T, nt func() []transfer.Transport) {
@@ -433,7 +503,7 @@ func testToken(t *testing.T, nt func() []transfer.Transport) {
 	seg := open(t, a.E, b.E.Name())
 	rng := rand.New(rand.NewPCG(11, 12))
 	spans := layout(rng, 10, 1<<20, func() int { return 1 + rng.IntN(50000) })
-	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Write, spans, rng, nil)
+	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Write, spans, rng, nil, false)
 }
 
 func testNotifyProbe(t *testing.T, nt func() []transfer.Transport) {
@@ -471,7 +541,7 @@ func testRestart(t *testing.T, nt func() []transfer.Transport) {
 	seg := open(t, a.E, b.E.Name())
 	rng := rand.New(rand.NewPCG(13, 14))
 	spans := layout(rng, 10, 1<<20, func() int { return 1 + rng.IntN(50000) })
-	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Write, spans, rng, nil)
+	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Write, spans, rng, nil, false)
 	name, oldInc := b.E.Name(), b.E.Incarnation()
 	b.Close()
 
@@ -513,7 +583,7 @@ func testRestart(t *testing.T, nt func() []transfer.Transport) {
 		t.Fatalf("incarnation after restart %s (old %s, new %s)", d.Incarnation, oldInc, b2.E.Incarnation())
 	}
 	spans = layout(rng, 10, 1<<20, func() int { return 1 + rng.IntN(50000) })
-	transferCheck(t, a.E, seg, am.Bytes(), bm2.Bytes(), bm2.Addr(), transfer.Write, spans, rng, nil)
+	transferCheck(t, a.E, seg, am.Bytes(), bm2.Bytes(), bm2.Addr(), transfer.Write, spans, rng, nil, false)
 }
 
 func tryNode(nt func() []transfer.Transport, listen string) (*Node, error) {
