@@ -9,7 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
+	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"strconv"
@@ -182,8 +182,7 @@ func (l *LB) pick(bs []*backend) *backend {
 		}
 		return best
 	default:
-		n, _ := rand.Int(rand.Reader, big.NewInt(int64(len(ok))))
-		return ok[n.Int64()]
+		return ok[mrand.IntN(len(ok))]
 	}
 }
 
@@ -271,7 +270,7 @@ func (l *LB) handleGenerate(w http.ResponseWriter, r *http.Request) {
 }
 
 func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, l.cfg.MaxBodyBytes))
+	body, err := readBody(w, r, l.cfg.MaxBodyBytes)
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
@@ -279,19 +278,15 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 		}
 		return writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
 	}
-	var obj map[string]json.RawMessage
-	if err := json.Unmarshal(body, &obj); err != nil {
-		return writeError(w, http.StatusBadRequest, "request body is not a JSON object: "+err.Error())
-	}
 	p, d := l.pick(l.prefill), l.pick(l.decode)
 	if p == nil || d == nil {
 		return writeError(w, http.StatusServiceUnavailable, "no healthy prefill/decode pair")
 	}
 	room := newRoom()
-	obj["bootstrap_host"], _ = json.Marshal(p.url.Hostname())
-	obj["bootstrap_port"], _ = json.Marshal(p.bootstrapPort.Load())
-	obj["bootstrap_room"], _ = json.Marshal(room)
-	body, _ = json.Marshal(obj)
+	body, err = inject(body, p.url.Hostname(), p.bootstrapPort.Load(), room)
+	if err != nil {
+		return writeError(w, http.StatusBadRequest, err.Error())
+	}
 	lg := l.lg.With(zap.Uint64("room", room), zap.String("prefill", p.String()), zap.String("decode", d.String()))
 
 	p.inflight.Add(1)
@@ -345,14 +340,16 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 			return
 		}
 		defer res.resp.Body.Close()
-		b, _ := io.ReadAll(io.LimitReader(res.resp.Body, 1<<20))
-		if res.resp.StatusCode >= 400 {
-			code := res.resp.StatusCode // a 4xx is the client's error: pass it on
-			if code >= 500 {
-				code = http.StatusBadGateway
-			}
-			prefillFailed <- failure{code, b}
+		if res.resp.StatusCode < 400 {
+			io.Copy(io.Discard, res.resp.Body)
+			return
 		}
+		b, _ := io.ReadAll(io.LimitReader(res.resp.Body, 1<<20))
+		code := res.resp.StatusCode // a 4xx is the client's error: pass it on
+		if code >= 500 {
+			code = http.StatusBadGateway
+		}
+		prefillFailed <- failure{code, b}
 	}()
 	var dres result
 	select {
@@ -375,7 +372,9 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	copyHeader(w.Header(), dres.resp.Header)
 	w.WriteHeader(dres.resp.StatusCode)
 	fl, _ := w.(http.Flusher)
-	buf := make([]byte, 32<<10)
+	bp := copyBufs.Get().(*[]byte)
+	defer copyBufs.Put(bp)
+	buf := *bp
 	for {
 		n, err := dres.resp.Body.Read(buf)
 		if n > 0 {
@@ -404,6 +403,22 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 		succeeded = dres.resp.StatusCode < 400
 		return dres.resp.StatusCode
 	}
+}
+
+var copyBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
+
+// readBody reads a request body of at most max bytes, in one allocation
+// when the client sent its length.
+func readBody(w http.ResponseWriter, r *http.Request, max int64) ([]byte, error) {
+	rd := http.MaxBytesReader(w, r.Body, max)
+	if n := r.ContentLength; n > 0 && n <= max {
+		b := make([]byte, n)
+		if _, err := io.ReadFull(rd, b); err != nil {
+			return nil, err
+		}
+		return b, nil
+	}
+	return io.ReadAll(rd)
 }
 
 func copyHeader(dst, src http.Header) {

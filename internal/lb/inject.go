@@ -1,0 +1,261 @@
+package lb
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+)
+
+// bootstrapKeys are the members the LB sets; a client's own are replaced.
+var bootstrapKeys = []string{"bootstrap_host", "bootstrap_port", "bootstrap_room"}
+
+// inject returns body, a JSON object, with the bootstrap members set: they
+// come first, followed by the client's members except any bootstrap ones, byte
+// for byte. It scans the object's top level once instead of decoding and
+// re-encoding it (a 1K-token prompt is ~6 KB of ids); values are checked only
+// for their structure, and the servers decode them fully.
+func inject(body []byte, host string, port int64, room uint64) ([]byte, error) {
+	s := scanner{b: body}
+	s.ws()
+	if !s.eat('{') {
+		return nil, errors.New("request body is not a JSON object")
+	}
+	out := make([]byte, 0, len(body)+96)
+	out = append(out, `{"bootstrap_host":`...)
+	out = strconv.AppendQuote(out, host)
+	out = append(out, `,"bootstrap_port":`...)
+	out = strconv.AppendInt(out, port, 10)
+	out = append(out, `,"bootstrap_room":`...)
+	out = strconv.AppendUint(out, room, 10)
+	s.ws()
+	if !s.eat('}') {
+		for {
+			start := s.i
+			key, err := s.str()
+			if err != nil {
+				return nil, fmt.Errorf("request body: member name: %w", err)
+			}
+			s.ws()
+			if !s.eat(':') {
+				return nil, s.errf("':' after a member name")
+			}
+			s.ws()
+			if err := s.value(0); err != nil {
+				return nil, fmt.Errorf("request body: value of %s: %w", key, err)
+			}
+			if !isBootstrapKey(key) {
+				out = append(out, ',')
+				out = append(out, body[start:s.i]...)
+			}
+			s.ws()
+			if s.eat('}') {
+				break
+			}
+			if !s.eat(',') {
+				return nil, s.errf("',' or '}' after a member")
+			}
+			s.ws()
+		}
+	}
+	s.ws()
+	if s.i != len(body) {
+		return nil, s.errf("the end of the body after the object")
+	}
+	return append(out, '}'), nil
+}
+
+// isBootstrapKey reports whether key, a raw JSON string with its quotes,
+// names a bootstrap member.
+func isBootstrapKey(key []byte) bool {
+	name := string(key[1 : len(key)-1])
+	for _, c := range key {
+		if c == '\\' { // escaped: decode it first
+			if err := json.Unmarshal(key, &name); err != nil {
+				return false
+			}
+			break
+		}
+	}
+	for _, k := range bootstrapKeys {
+		if name == k {
+			return true
+		}
+	}
+	return false
+}
+
+// maxDepth bounds the nesting of a request body's values.
+const maxDepth = 1000
+
+type scanner struct {
+	b []byte
+	i int
+}
+
+func (s *scanner) errf(want string) error {
+	if s.i >= len(s.b) {
+		return fmt.Errorf("request body ends early: want %s", want)
+	}
+	return fmt.Errorf("request body: want %s at byte %d, found %q", want, s.i, s.b[s.i])
+}
+
+func (s *scanner) ws() {
+	for s.i < len(s.b) {
+		switch s.b[s.i] {
+		case ' ', '\t', '\n', '\r':
+			s.i++
+		default:
+			return
+		}
+	}
+}
+
+func (s *scanner) eat(c byte) bool {
+	if s.i < len(s.b) && s.b[s.i] == c {
+		s.i++
+		return true
+	}
+	return false
+}
+
+// str scans a string and returns it raw, quotes included.
+func (s *scanner) str() ([]byte, error) {
+	start := s.i
+	if !s.eat('"') {
+		return nil, s.errf("'\"'")
+	}
+	for s.i < len(s.b) {
+		switch c := s.b[s.i]; {
+		case c == '"':
+			s.i++
+			return s.b[start:s.i], nil
+		case c == '\\':
+			if s.i+1 >= len(s.b) {
+				return nil, s.errf("an escape")
+			}
+			switch s.b[s.i+1] {
+			case '"', '\\', '/', 'b', 'f', 'n', 'r', 't':
+				s.i += 2
+			case 'u':
+				if len(s.b)-s.i < 6 || !isHex4(s.b[s.i+2:s.i+6]) {
+					return nil, s.errf("\\u and 4 hex digits")
+				}
+				s.i += 6
+			default:
+				return nil, s.errf("a valid escape")
+			}
+		case c < 0x20:
+			return nil, s.errf("no control character in a string")
+		default:
+			s.i++
+		}
+	}
+	return nil, s.errf("the end of a string")
+}
+
+// value scans one JSON value.
+func (s *scanner) value(depth int) error {
+	if depth > maxDepth {
+		return fmt.Errorf("nested deeper than %d", maxDepth)
+	}
+	if s.i >= len(s.b) {
+		return s.errf("a value")
+	}
+	switch s.b[s.i] {
+	case '"':
+		_, err := s.str()
+		return err
+	case '{', '[':
+		open := s.b[s.i]
+		end := byte('}')
+		if open == '[' {
+			end = ']'
+		}
+		s.i++
+		s.ws()
+		if s.eat(end) {
+			return nil
+		}
+		for {
+			if open == '{' {
+				if _, err := s.str(); err != nil {
+					return err
+				}
+				s.ws()
+				if !s.eat(':') {
+					return s.errf("':'")
+				}
+				s.ws()
+			}
+			if err := s.value(depth + 1); err != nil {
+				return err
+			}
+			s.ws()
+			if s.eat(end) {
+				return nil
+			}
+			if !s.eat(',') {
+				return s.errf("',' or '" + string(end) + "'")
+			}
+			s.ws()
+		}
+	case 't':
+		return s.lit("true")
+	case 'f':
+		return s.lit("false")
+	case 'n':
+		return s.lit("null")
+	default:
+		return s.number()
+	}
+}
+
+func isHex4(b []byte) bool {
+	for _, c := range b {
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f' || c >= 'A' && c <= 'F') {
+			return false
+		}
+	}
+	return true
+}
+
+func (s *scanner) lit(w string) error {
+	if len(s.b)-s.i < len(w) || string(s.b[s.i:s.i+len(w)]) != w {
+		return s.errf(w)
+	}
+	s.i += len(w)
+	return nil
+}
+
+// number scans -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?
+func (s *scanner) number() error {
+	start := s.i
+	digits := func() int {
+		n := 0
+		for s.i < len(s.b) && s.b[s.i] >= '0' && s.b[s.i] <= '9' {
+			s.i++
+			n++
+		}
+		return n
+	}
+	bad := func() error { s.i = start; return s.errf("a value") }
+	s.eat('-')
+	if s.eat('0') {
+		// no more integer digits after a leading zero
+	} else if digits() == 0 {
+		return bad()
+	}
+	if s.eat('.') && digits() == 0 {
+		return bad()
+	}
+	if s.eat('e') || s.eat('E') {
+		if !s.eat('+') {
+			s.eat('-')
+		}
+		if digits() == 0 {
+			return bad()
+		}
+	}
+	return nil
+}
