@@ -38,6 +38,7 @@ type serveFlags struct {
 	maxTotalTokens, maxRunning, chunked  int
 	threads                              int
 	disaggTimeout                        time.Duration
+	pushByLayer                          bool
 	seed                                 int64
 	debugFault                           string
 	profiling                            bool
@@ -67,6 +68,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink or rdma")
 	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", "RDMA device (rdma backend)")
 	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait")
+	fl.BoolVar(&f.pushByLayer, "disaggregation-push-by-layer", false, "prefill: push each layer's KV as soon as the layer is computed, overlapping the push with the rest of the pass")
 	fl.IntVar(&f.transferPort, "transfer-port", 0, "transfer engine port (0 picks a free one; the segment name is host:port)")
 	fl.StringVar(&f.metadata, "metadata-server", "p2p", "p2p, embedded, etcd://host:port or http://host:port/metadata")
 	fl.StringVar(&f.clusterToken, "cluster-token", "", "shared secret peers' transfer engines must prove")
@@ -320,7 +322,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	case "prefill":
 		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
 			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, Logger: lg, Registerer: reg,
-			FailTransfers: f.debugFault == "transfer"})
+			FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
 		if err != nil {
 			return err
 		}

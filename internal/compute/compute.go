@@ -16,6 +16,18 @@ type Seq struct {
 	Pos    int     // position of Tokens[0]; positions 0..Pos-1 are already in the KV cache
 	Pages  []int32 // page table covering positions 0..Pos+len(Tokens)-1
 	Logits bool    // compute logits for the last token of Tokens
+	// Layer, if set, is told during the pass, layer by layer, that this
+	// seq's KV of layer l for Tokens is written: at once (ready nil), or,
+	// on a device that runs asynchronously, once ready.Wait returns. A
+	// backend may skip the calls (the pass's end covers every layer); it
+	// makes them in layer order, possibly from one of its own goroutines.
+	Layer func(l int, ready Fence)
+}
+
+// Fence is a point in a backend's queued work.
+type Fence interface {
+	// Wait blocks until the work before the fence is done.
+	Wait() error
 }
 
 // Model runs forward passes. The KV of every processed token is written into

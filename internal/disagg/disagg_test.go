@@ -76,6 +76,7 @@ type pdOpts struct {
 	decodeModel                              string
 	decodeLayout                             *kvcache.Layout
 	failTransfers                            bool
+	pushByLayer                              bool
 }
 
 func newPD(t *testing.T, o pdOpts) *pd {
@@ -97,7 +98,7 @@ func newPD(t *testing.T, o pdOpts) *pd {
 	})
 	var err error
 	x.p, err = NewPrefill(context.Background(), PrefillConfig{Transfer: x.pre.te, Info: x.pre.info, Listen: "127.0.0.1:0",
-		Timeout: o.prefillTimeout, AuxSlots: 8, FailTransfers: o.failTransfers})
+		Timeout: o.prefillTimeout, AuxSlots: 8, FailTransfers: o.failTransfers, PushByLayer: o.pushByLayer})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,6 +355,90 @@ func TestRoomSuccess(t *testing.T) {
 				t.Fatalf("aux slots in use: decode %d, prefill %d", x.d.aux.inUse(), x.p.aux.inUse())
 			}
 		})
+	}
+}
+
+// gate is a fence that opens when closed.
+type gate chan struct{}
+
+func (g gate) Wait() error { <-g; return nil }
+
+// layerWritten reports whether any page of layer l in s's pool is non-zero.
+func (s *side) layerWritten(l int) bool {
+	for p := 0; p < s.pool.Layout.Pages; p++ {
+		for k := kvcache.K; k <= kvcache.V; k++ {
+			if b := s.pool.Page(l, k, p); !bytes.Equal(b, make([]byte, len(b))) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// TestPushByLayer: with PushByLayer a layer's pages go to decode once the
+// engine reports the layer (and its fence opens), before the pass ends.
+func TestPushByLayer(t *testing.T) {
+	x := newPD(t, pdOpts{pushByLayer: true})
+	const room, prompt = 0x1a7e, 14 // 4 pages, the last one partial
+	dreq := &engine.Request{ID: "d", InputIDs: make([]int, prompt)}
+	dch := x.prepareDecode(context.Background(), dreq, x.p.Port(), room)
+	preq := &engine.Request{ID: "p", InputIDs: make([]int, prompt)}
+	if err := x.p.Prepare(context.Background(), preq, room); err != nil {
+		t.Fatal(err)
+	}
+	lh, ok := preq.Prefill.(engine.PrefillLayerHook)
+	if !ok {
+		t.Fatalf("prefill hook %T takes no layer calls", preq.Prefill)
+	}
+	x.waitRegistered(t, room)
+	f := x.pre.startPrefill(t, preq.Prefill, prompt)
+	for i, p := range f.pages {
+		x.pre.fill(i, p)
+	}
+	g := make(gate)
+	var doneCalled, gateOpen bool
+	t.Cleanup(func() { // a failed test must not leave the room's worker waiting
+		if !gateOpen {
+			close(g)
+		}
+		if !doneCalled {
+			f.done(preq.Prefill, -1, 0, errors.New("test failed"))
+		}
+	})
+	lh.Layer(0, prompt, g)
+	time.Sleep(50 * time.Millisecond)
+	if x.dec.layerWritten(0) {
+		t.Fatal("layer 0 pushed before its fence opened")
+	}
+	close(g)
+	gateOpen = true
+	waitFor(t, "layer 0 pushed", 2*time.Second, func() bool { return x.dec.layerWritten(0) })
+	if x.dec.layerWritten(1) {
+		t.Fatal("layer 1 pushed before it was reported")
+	}
+	lh.Layer(1, prompt, nil)
+	waitFor(t, "layer 1 pushed", 2*time.Second, func() bool { return x.dec.layerWritten(1) })
+	hook := preq.Prefill
+	hook.Chunk(prompt)
+	doneCalled = true
+	f.done(hook, 5, -1, nil)
+	res := wait(t, dch, 5*time.Second)
+	if res.err != nil {
+		t.Fatalf("decode: %v", res.err)
+	}
+	pl := dreq.Preloaded
+	for i := range f.pages {
+		for l := 0; l < testLayout.Layers; l++ {
+			for k := kvcache.K; k <= kvcache.V; k++ {
+				if !bytes.Equal(x.pre.pool.Page(l, k, int(f.pages[i])), x.dec.pool.Page(l, k, int(pl.Pages[i]))) {
+					t.Fatalf("prompt page %d layer %d kind %d differs", i, l, k)
+				}
+			}
+		}
+	}
+	f.waitReleased(t, 2*time.Second)
+	if err := x.dec.pages.Release(pl.Pages); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -11,6 +11,7 @@ type metrics struct {
 	xferSecs  prometheus.Histogram
 	xferBytes prometheus.Counter
 	xferGBps  prometheus.Histogram
+	pushes    *prometheus.CounterVec // by: layer | pass
 }
 
 func newMetrics(reg prometheus.Registerer, mode string) *metrics {
@@ -45,9 +46,13 @@ func newMetrics(reg prometheus.Registerer, mode string) *metrics {
 			Name: "mooncake_disagg_transfer_gbps", Help: "Prefill: KV transfer rate per room (GB/s).",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16), ConstLabels: prometheus.Labels{"mode": mode},
 		}),
+		pushes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_disagg_pushes_total", Help: "Prefill: KV transfer batches, by what made the pages ready: a layer report during a pass, or a pass's end.",
+			ConstLabels: prometheus.Labels{"mode": mode},
+		}, []string{"by"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps)
+		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps, m.pushes)
 	}
 	return m
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,7 +16,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
 
@@ -36,6 +39,10 @@ type PrefillConfig struct {
 	// transfer): every KV transfer targets an address outside the decode's
 	// registered regions, so the transfer engine refuses it for real.
 	FailTransfers bool
+	// PushByLayer pushes each layer's pages as soon as the backend reports
+	// the layer written, overlapping the push with the rest of the pass,
+	// instead of after each chunk's pass.
+	PushByLayer bool
 }
 
 // faultRemote is where FailTransfers aims: far above any mapping.
@@ -139,8 +146,10 @@ func (p *Prefill) room(id uint64) (*proom, error) {
 	}
 	r := p.rooms[id]
 	if r == nil {
+		nl := p.cfg.Info.Layout.Layers
 		r = &proom{p: p, id: id, kick: make(chan struct{}, 1), created: time.Now(),
-			lg: p.lg.With(zap.Uint64("room", id))}
+			lg: p.lg.With(zap.Uint64("room", id)), layerTok: make([]int, nl), layerFence: make([]compute.Fence, nl),
+			layerSent: make([]int, nl)}
 		p.rooms[id] = r
 		p.m.rooms.WithLabelValues("prefill", Bootstrapping.String()).Inc()
 		p.wg.Add(1)
@@ -236,7 +245,24 @@ func (p *Prefill) Prepare(ctx context.Context, req *engine.Request, room uint64)
 	}
 	req.Room = room
 	req.Prefill = r
+	if p.cfg.PushByLayer {
+		req.Prefill = layeredRoom{r}
+	}
 	return nil
+}
+
+// layeredRoom is a room that asks the engine for layer calls.
+type layeredRoom struct{ *proom }
+
+// Layer records that layer l holds the KV of the first tokensDone prompt
+// tokens once ready is done.
+func (r layeredRoom) Layer(l, tokensDone int, ready compute.Fence) {
+	r.mu.Lock()
+	if l < len(r.layerTok) && tokensDone > r.layerTok[l] {
+		r.layerTok[l], r.layerFence[l] = tokensDone, ready
+	}
+	r.mu.Unlock()
+	r.poke()
 }
 
 // proom is one room on the prefill side. Hooks and HTTP handlers update it
@@ -264,10 +290,15 @@ type proom struct {
 	logprob   float32
 	release   func()
 	err       error // first failure
-	sentPages int
-	auxSent   bool // the first token is in decode's aux slot
-	bytes     int64
-	xfer      time.Duration
+	sentPages int   // pages pushed of every layer (the least of layerSent)
+	auxSent   bool  // the first token is in decode's aux slot
+	// Per layer: prompt tokens reported written by a layer call (and the
+	// fence to wait for first), and pages pushed.
+	layerTok   []int
+	layerFence []compute.Fence
+	layerSent  []int
+	bytes      int64
+	xfer       time.Duration
 }
 
 func (r *proom) poke() {
@@ -424,8 +455,9 @@ func (r *proom) promptPages() int {
 	return (r.prompt + ps - 1) / ps
 }
 
-// push writes the pages completed since the last push; after the last
-// chunk, the remaining pages and the first token go in one batch.
+// push writes the pages completed since the last push: per layer, the
+// pages whose tokens a chunk (or a layer call) reported written; after the
+// last chunk, the remaining pages and the first token go in one batch.
 func (r *proom) push() error {
 	r.xmu.Lock()
 	defer r.xmu.Unlock()
@@ -435,22 +467,33 @@ func (r *proom) push() error {
 		return nil
 	}
 	ps := r.p.cfg.Info.Layout.PageSize
-	upto := r.tokens / ps
-	if r.done {
-		upto = r.promptPages()
+	all := min(r.promptPages(), len(r.pages))
+	type span struct {
+		layer, from, upto int
+		ready             compute.Fence
+		byLayer           bool // made ready by a layer report
 	}
-	if upto > len(r.pages) {
-		upto = len(r.pages)
+	var spans []span
+	for l := range r.layerSent {
+		tok, ready, byLayer := r.tokens, compute.Fence(nil), false
+		if r.layerTok[l] > tok {
+			tok, ready, byLayer = r.layerTok[l], r.layerFence[l], true
+		}
+		upto := tok / ps
+		if r.done || tok >= r.prompt {
+			upto = all
+		}
+		upto = min(upto, len(r.pages))
+		if upto > r.layerSent[l] {
+			spans = append(spans, span{l, r.layerSent[l], upto, ready, byLayer})
+		}
 	}
-	from, dst, done := r.sentPages, r.dst, r.done
-	pages := r.pages
+	dst, done, pages := r.dst, r.done, r.pages
 	first, lp := r.first, r.logprob
+	sendAux := done && !r.auxSent
 	r.mu.Unlock()
-	if upto <= from && !done {
+	if len(spans) == 0 && !sendAux {
 		return nil
-	}
-	if upto > len(dst.Pages) {
-		return fmt.Errorf("decode reserved %d pages, prompt needs %d", len(dst.Pages), upto)
 	}
 	r.mu.Lock()
 	if r.state < Transferring {
@@ -459,9 +502,33 @@ func (r *proom) push() error {
 	r.mu.Unlock()
 	p := r.p
 	lay := p.cfg.Info.Layout
-	pairs, err := lay.Pairs(pages[from:upto], dst.Decode.Layout, dst.Pages[from:upto])
-	if err != nil {
-		return err
+	// Runs of several pages go as requests of their own; single pages (a
+	// fragmented pool) as one page-list request.
+	pb := int64(lay.PageBytes())
+	var runs []kvcache.Pair
+	var single []transfer.PageOffset
+	var n int64
+	for _, sp := range spans {
+		if sp.upto > len(dst.Pages) {
+			return fmt.Errorf("decode reserved %d pages, prompt needs %d", len(dst.Pages), sp.upto)
+		}
+		if sp.ready != nil {
+			if err := sp.ready.Wait(); err != nil {
+				return fmt.Errorf("waiting for layer %d's KV: %w", sp.layer, err)
+			}
+		}
+		pairs, err := lay.LayerPairs(sp.layer, pages[sp.from:sp.upto], dst.Decode.Layout, dst.Pages[sp.from:sp.upto])
+		if err != nil {
+			return err
+		}
+		for _, pr := range pairs {
+			n += pr.Len
+			if pr.Len == pb {
+				single = append(single, transfer.PageOffset{Local: uint64(pr.Src), Remote: uint64(pr.Dst)})
+			} else {
+				runs = append(runs, pr)
+			}
+		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Transfer.Timeout()+time.Second)
 	defer cancel()
@@ -469,22 +536,12 @@ func (r *proom) push() error {
 	if err != nil {
 		return fmt.Errorf("open decode segment %s: %w", dst.Decode.Segment, err)
 	}
-	reqs := make([]transfer.Request, 0, len(pairs)+1)
-	var n int64
 	remote := dst.Decode.PoolAddr
 	if p.cfg.FailTransfers {
 		remote = faultRemote
 	}
-	// Runs of several pages go as requests of their own; single pages (a
-	// fragmented pool) as one page-list request.
-	pb := int64(lay.PageBytes())
-	var single []transfer.PageOffset
-	for _, pr := range pairs {
-		n += pr.Len
-		if pr.Len == pb {
-			single = append(single, transfer.PageOffset{Local: uint64(pr.Src), Remote: uint64(pr.Dst)})
-			continue
-		}
+	reqs := make([]transfer.Request, 0, len(runs)+2)
+	for _, pr := range runs {
 		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr + uint64(pr.Src)),
 			Len: uint64(pr.Len), Segment: seg, Remote: remote + uint64(pr.Dst)})
 	}
@@ -492,9 +549,9 @@ func (r *proom) push() error {
 		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr), Len: uint64(pb),
 			Segment: seg, Remote: remote, Pages: single})
 	}
-	slot := -1
-	if done {
-		if slot, err = p.aux.get(); err != nil {
+	if sendAux {
+		slot, err := p.aux.get()
+		if err != nil {
 			return err
 		}
 		defer p.aux.put(slot)
@@ -508,14 +565,25 @@ func (r *proom) push() error {
 	}
 	el := time.Since(start)
 	r.mu.Lock()
-	r.sentPages = upto
-	r.auxSent = r.auxSent || done
+	for _, sp := range spans {
+		r.layerSent[sp.layer] = sp.upto
+	}
+	r.sentPages = slices.Min(r.layerSent)
+	r.auxSent = r.auxSent || sendAux
 	r.bytes += n
 	r.xfer += el
 	r.mu.Unlock()
 	p.m.xferBytes.Add(float64(n))
+	by := "pass"
+	for _, sp := range spans {
+		if sp.byLayer {
+			by = "layer"
+		}
+	}
+	p.m.pushes.WithLabelValues(by).Inc()
 	if r.lg.Core().Enabled(zap.DebugLevel) {
-		r.lg.Debug("pages pushed", zap.Int("from", from), zap.Int("to", upto), zap.Int64("bytes", n), zap.Duration("took", el))
+		r.lg.Debug("pages pushed", zap.Int("layers", len(spans)), zap.Int("requests", len(reqs)), zap.Int64("bytes", n),
+			zap.Duration("took", el))
 	}
 	return nil
 }

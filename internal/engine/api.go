@@ -5,6 +5,7 @@ package engine
 
 import (
 	"errors"
+	"github.com/mooncake-go/mooncake-go/internal/compute"
 )
 
 // Sentinel errors; wrap with %w and classify with errors.Is.
@@ -64,6 +65,16 @@ type PrefillHook interface {
 	// allocated until release is called (exactly once), so the transfer can
 	// finish.
 	Done(first int, logprob float32, err error, release func())
+}
+
+// PrefillLayerHook is an optional PrefillHook method: with a backend that
+// reports layers, Layer is called during a chunk's forward pass once layer
+// l's KV of the chunk is written (or queued: wait for ready, if not nil,
+// before reading it). tokensDone is what Chunk will report after the pass.
+// Calls for one request come in layer order, possibly from a backend
+// goroutine, and must not block.
+type PrefillLayerHook interface {
+	Layer(l, tokensDone int, ready compute.Fence)
 }
 
 // PrefillAborter is an optional PrefillHook method: the engine checks it

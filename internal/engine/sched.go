@@ -186,6 +186,9 @@ func (e *Engine) step(ctx context.Context) error {
 		e.batch = append(e.batch, compute.Seq{
 			Tokens: s.prompt[s.prefilled:end], Pos: s.prefilled, Pages: s.pages[:e.pagesFor(end)], Logits: last,
 		})
+		if lh, ok := s.hook.(PrefillLayerHook); ok {
+			e.batch[len(e.batch)-1].Layer = func(l int, ready compute.Fence) { lh.Layer(l, end, ready) }
+		}
 		e.bseqs = append(e.bseqs, s)
 		e.bchunk = append(e.bchunk, n)
 		budget -= n

@@ -99,28 +99,42 @@ type Pair struct {
 // must match l except for Pages), page i to page i, for every layer, K and V.
 // Runs that are consecutive on both sides are merged into one copy.
 func (l Layout) Pairs(src []int32, dstLayout Layout, dst []int32) ([]Pair, error) {
+	var out []Pair
+	for layer := 0; layer < l.Layers; layer++ {
+		p, err := l.LayerPairs(layer, src, dstLayout, dst)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, p...)
+	}
+	return out, nil
+}
+
+// LayerPairs is Pairs for one layer.
+func (l Layout) LayerPairs(layer int, src []int32, dstLayout Layout, dst []int32) ([]Pair, error) {
 	if err := l.Compatible(dstLayout); err != nil {
 		return nil, err
 	}
 	if len(src) != len(dst) {
 		return nil, fmt.Errorf("kvcache: %d source pages for %d destination pages", len(src), len(dst))
 	}
+	if layer < 0 || layer >= l.Layers {
+		return nil, fmt.Errorf("kvcache: layer %d of %d", layer, l.Layers)
+	}
 	var out []Pair
 	pb := int64(l.PageBytes())
-	for layer := 0; layer < l.Layers; layer++ {
-		for kind := K; kind <= V; kind++ {
-			for i := 0; i < len(src); {
-				j := i + 1
-				for j < len(src) && src[j] == src[j-1]+1 && dst[j] == dst[j-1]+1 {
-					j++
-				}
-				out = append(out, Pair{
-					Src: l.Offset(layer, kind, int(src[i])),
-					Dst: dstLayout.Offset(layer, kind, int(dst[i])),
-					Len: int64(j-i) * pb,
-				})
-				i = j
+	for kind := K; kind <= V; kind++ {
+		for i := 0; i < len(src); {
+			j := i + 1
+			for j < len(src) && src[j] == src[j-1]+1 && dst[j] == dst[j-1]+1 {
+				j++
 			}
+			out = append(out, Pair{
+				Src: l.Offset(layer, kind, int(src[i])),
+				Dst: dstLayout.Offset(layer, kind, int(dst[i])),
+				Len: int64(j-i) * pb,
+			})
+			i = j
 		}
 	}
 	return out, nil

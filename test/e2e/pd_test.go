@@ -171,7 +171,8 @@ func TestDisaggMatchesColocated(t *testing.T) {
 		pArgs     []string
 		dArgs     []string
 	}{
-		{name: "1P1D/shm", transport: "shm"},
+		// shm with each layer pushed as soon as it is computed.
+		{name: "1P1D/shm", transport: "shm", pArgs: []string{"--disaggregation-push-by-layer"}},
 		// tcp forced both ways: the environment on one side, the flag on the other.
 		{name: "1P1D/tcp", transport: "tcp", pEnv: []string{"MC_FORCE_TCP=1"},
 			dArgs: []string{"--disaggregation-transfer-backend", "tcp"}},
@@ -193,6 +194,11 @@ func TestDisaggMatchesColocated(t *testing.T) {
 				t.Errorf("prefill computed no prompt tokens")
 			}
 			other := map[string]string{"shm": "tcp", "tcp": "shm"}[tc.transport]
+			byLayer := pm[`mooncake_disagg_pushes_total{by="layer",mode="prefill"}`]
+			if wantLayer := slices.Contains(tc.pArgs, "--disaggregation-push-by-layer"); wantLayer != (byLayer > 0) {
+				t.Errorf("prefill made %v pushes by layer report (push by layer: %v); metrics: %v", byLayer, wantLayer,
+					grep(pm, "mooncake_disagg_pushes"))
+			}
 			if v := pm[`mooncake_transfer_bytes_total{op="write",transport="`+tc.transport+`"}`]; v == 0 {
 				t.Errorf("prefill moved no bytes over %s; metrics: %v", tc.transport, grep(pm, "mooncake_transfer_bytes"))
 			}

@@ -160,9 +160,19 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 			return err
 		}
 		b.layer(li, 0, n, 0, b.team)
+		layerDone(seqs, li)
 	}
 	b.logits(0, len(seqs), 0, 0, b.team)
 	return nil
+}
+
+// layerDone tells the seqs that asked that layer li's KV is written.
+func layerDone(seqs []compute.Seq, li int) {
+	for i := range seqs {
+		if f := seqs[i].Layer; f != nil {
+			f(li, nil)
+		}
+	}
 }
 
 // seqSplit plans a sequence-parallel pass: s.split[k] is thread k's first
@@ -213,6 +223,7 @@ func (b *Backend) seqPart(k int) {
 	}
 	for li := range b.m.W.Layers {
 		b.layer(li, t0, t1, k, nil)
+		layerDone(s.seqs[s.split[k]:s.split[k+1]], li)
 	}
 	b.logits(s.split[k], s.split[k+1], t0, s.row0[k], nil)
 }

@@ -111,6 +111,10 @@ type Backend struct {
 	// rope_kv reads (made by rope_table at load time).
 	ropeTab cu.DevicePtr
 	ropeN   int
+
+	// layerEv[l] is recorded after layer l's KV writes when a seq asked
+	// for layer calls (compute.Seq.Layer); re-recorded by later passes.
+	layerEv []*cu.Event
 }
 
 // New loads m onto GPU opts.Device. Errors from a missing driver wrap
@@ -291,6 +295,10 @@ func (b *Backend) release() error {
 	var errs []error
 	b.cx.SetCurrent()
 	errs = append(errs, b.cx.Synchronize())
+	for _, ev := range b.layerEv {
+		errs = append(errs, ev.Destroy())
+	}
+	b.layerEv = nil
 	b.s.free(b)
 	for _, p := range b.allocs {
 		errs = append(errs, b.cx.MemFree(p))

@@ -333,6 +333,10 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
 	siluY := siluBlocks(hid)
 
+	hooked := false
+	for i := range seqs {
+		hooked = hooked || seqs[i].Layer != nil
+	}
 	r.launch(b.fn.embed, cu.D1(nb), cu.D1(256), 0, s.x.p, b.w.embed, meta(p.tok), int32(dim))
 	for li := range b.w.layers {
 		if err := ctx.Err(); err != nil {
@@ -346,6 +350,11 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, s.q.p, kc, vc, s.qkv.p, w.bqkv,
 			meta(p.pos), s.meta.p+cu.DevicePtr(p.slot*8), b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads),
 			int32(c.KVHeads), interleaved)
+		if hooked && r.err == nil {
+			if err := b.reportLayer(st, seqs, li); err != nil {
+				return fmt.Errorf("cuda backend: layer %d: %w", li, err)
+			}
+		}
 		if p.np > 0 && b.fn.attnFlash2 != nil {
 			bq := 16 * b.fn.flash2Warps
 			r.launch(b.fn.attnFlash2, cu.Dim3{X: uint32((p.maxPrefill + bq - 1) / bq), Y: uint32(c.Heads), Z: uint32(p.np)},
@@ -416,6 +425,34 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	}
 	return nil
 }
+
+// reportLayer records layer li's event after its KV writes and hands it to
+// the seqs that asked, as the fence to wait for before reading the pages.
+func (b *Backend) reportLayer(st *cu.Stream, seqs []compute.Seq, li int) error {
+	for len(b.layerEv) <= li {
+		ev, err := b.cx.NewEvent(cu.EventDisableTiming)
+		if err != nil {
+			return err
+		}
+		b.layerEv = append(b.layerEv, ev)
+	}
+	ev := b.layerEv[li]
+	if err := ev.Record(st); err != nil {
+		return err
+	}
+	for i := range seqs {
+		if f := seqs[i].Layer; f != nil {
+			f(li, eventFence{ev})
+		}
+	}
+	return nil
+}
+
+// eventFence waits for a layer event. A later pass may re-record the event
+// before the wait: the wait then ends later than needed, never earlier.
+type eventFence struct{ ev *cu.Event }
+
+func (f eventFence) Wait() error { return f.ev.Synchronize() }
 
 // ensureHostLogits grows the pinned logits buffer; the GPU may be busy, so
 // the old buffer is freed only after a synchronisation.
