@@ -197,7 +197,7 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 		}
 		store[i] = Task{Op: r.Op, Local: uint64(r.Local), Len: r.Len, Remote: r.Remote, Region: rr, LocalRegion: lr, i: i, g: int32(gi)}
 		if r.Pages != nil {
-			store[i].Len, store[i].PageLen, store[i].Pages = rn, r.Len, r.Pages
+			store[i].Len, store[i].List = rn, &PageList{PageLen: r.Len, Pages: r.Pages}
 		}
 		groups[gi].tasks = append(groups[gi].tasks, &store[i])
 	}
@@ -281,7 +281,7 @@ func (b *Batch) finish(i int, err error) {
 	last := b.pending == 0
 	b.mu.Unlock()
 
-	r := b.reqs[i]
+	r := &b.reqs[i]
 	if err != nil && r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout) || errors.Is(err, ErrPeerRestarted)) {
 		if s := b.e.segAt(r.Segment); s != nil {
 			s.markStale() // refetch (and check the incarnation) before the next use

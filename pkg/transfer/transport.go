@@ -73,17 +73,17 @@ type Region struct {
 
 // Task is one request as a transport sees it: bounds already checked.
 //
-// A page-list task (Pages set) moves PageLen bytes between Local+p.Local and
-// Remote+p.Remote for each p; Len is then its remote extent (the engine
-// checked [Remote, Remote+Len), and every local page), so a transport's own
-// check of [Remote, Remote+Len) covers every page.
+// A page-list task (List set) moves List.PageLen bytes between
+// Local+p.Local and Remote+p.Remote for each p in List.Pages; Len is then
+// its remote extent (the engine checked [Remote, Remote+Len), and every
+// local page), so a transport's own check of [Remote, Remote+Len) covers
+// every page.
 type Task struct {
-	Op      Op
-	Local   uint64 // local address
-	Len     uint64
-	Remote  uint64 // address inside Region
-	PageLen uint64
-	Pages   []PageOffset
+	Op     Op
+	Local  uint64 // local address
+	Len    uint64
+	Remote uint64 // address inside Region
+	List   *PageList
 	// Region is the remote region holding [Remote, Remote+Len).
 	Region *RegionInfo
 	// LocalRegion is the local registered region holding [Local, Local+Len).
@@ -97,10 +97,16 @@ type Task struct {
 	err   error     // under b.mu
 }
 
+// PageList is a page-list task's pages: PageLen bytes at each offset pair.
+type PageList struct {
+	PageLen uint64
+	Pages   []PageOffset
+}
+
 // Bytes is how many bytes the task moves.
 func (t *Task) Bytes() uint64 {
-	if t.Pages != nil {
-		return t.PageLen * uint64(len(t.Pages))
+	if t.List != nil {
+		return t.List.PageLen * uint64(len(t.List.Pages))
 	}
 	return t.Len
 }

@@ -233,16 +233,16 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 		if k.Op == transfer.Read {
 			src, dst = dst, src
 		}
-		if k.Pages == nil {
+		if k.List == nil {
 			g.descs = append(g.descs, cuda.CopyDesc{Src: src, Dst: dst, Len: k.Len})
 		} else {
-			g.descs = slices.Grow(g.descs, len(k.Pages))
-			for _, pg := range k.Pages {
+			g.descs = slices.Grow(g.descs, len(k.List.Pages))
+			for _, pg := range k.List.Pages {
 				so, do := pg.Local, pg.Remote
 				if k.Op == transfer.Read {
 					so, do = do, so
 				}
-				g.descs = append(g.descs, cuda.CopyDesc{Src: src + cuda.DevicePtr(so), Dst: dst + cuda.DevicePtr(do), Len: k.PageLen})
+				g.descs = append(g.descs, cuda.CopyDesc{Src: src + cuda.DevicePtr(so), Dst: dst + cuda.DevicePtr(do), Len: k.List.PageLen})
 			}
 		}
 		g.tasks = append(g.tasks, k)

@@ -92,15 +92,15 @@ func (t *Transport) run(ctx context.Context, p *peer, tasks []*transfer.Task, to
 			k.Done(err)
 			continue
 		}
-		if k.Pages == nil {
+		if k.List == nil {
 			jobs = append(jobs, j)
 			continue
 		}
 		// One job per page, each ending the task when done (Done counts
 		// once); the job check covered the remote extent.
-		for _, pg := range k.Pages {
-			jobs = append(jobs, job{k: k, local: bytesAt(k.Local+pg.Local, k.PageLen),
-				remote: j.remote[pg.Remote : pg.Remote+k.PageLen : pg.Remote+k.PageLen]})
+		for _, pg := range k.List.Pages {
+			jobs = append(jobs, job{k: k, local: bytesAt(k.Local+pg.Local, k.List.PageLen),
+				remote: j.remote[pg.Remote : pg.Remote+k.List.PageLen : pg.Remote+k.List.PageLen]})
 		}
 	}
 	if parallel && total >= uint64(t.cfg.ParallelMin) && t.cfg.Copiers > 1 {
@@ -187,7 +187,7 @@ func (p *peer) job(k *transfer.Task, h Handle, refused map[uint64]string) (job, 
 			Detail: fmt.Sprintf("shm region %d was shared read-only", h.ID)}
 	}
 	j := job{k: k, remote: mem[off : off+k.Len : off+k.Len]}
-	if k.Pages == nil {
+	if k.List == nil {
 		j.local = bytesAt(k.Local, k.Len)
 	}
 	return j, nil

@@ -214,7 +214,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 			split = new(atomic.Int64)
 			split.Store(int64(np))
 		}
-		if tk.Pages == nil {
+		if tk.List == nil {
 			for off := uint64(0); off < tk.Len; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
 					task: tk, split: split, ctx: ctx}
@@ -223,10 +223,10 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 			}
 			continue
 		}
-		for _, pg := range tk.Pages {
-			for off := uint64(0); off < tk.PageLen; off += chunk {
+		for _, pg := range tk.List.Pages {
+			for off := uint64(0); off < tk.List.PageLen; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + pg.Local + off, remote: tk.Remote + pg.Remote + off,
-					n: min(chunk, tk.PageLen-off), task: tk, split: split, ctx: ctx}
+					n: min(chunk, tk.List.PageLen-off), task: tk, split: split, ctx: ctx}
 				add(&pieces[k])
 				k++
 			}
@@ -241,10 +241,10 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 
 // piecesOf is how many pieces tk goes out as.
 func piecesOf(tk *transfer.Task, chunk uint64) int {
-	if tk.Pages == nil {
+	if tk.List == nil {
 		return int((tk.Len + chunk - 1) / chunk)
 	}
-	return len(tk.Pages) * int((tk.PageLen+chunk-1)/chunk)
+	return len(tk.List.Pages) * int((tk.List.PageLen+chunk-1)/chunk)
 }
 
 // lane is one data connection to a peer: a writer goroutine sends queued
