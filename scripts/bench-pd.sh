@@ -15,6 +15,8 @@ OUT=${3:-32}
 CONC=${4:-1}
 NUM=${5:-8}
 THREADS=${THREADS:-1}
+# PREFILL_ARGS: extra flags for the prefill servers (e.g. --disaggregation-push-by-layer).
+PREFILL_ARGS=${PREFILL_ARGS:-}
 [ -x "$BIN" ] || make build >/dev/null
 [ -f "$MODEL/config.json" ] || $BIN convert --random --config stories110m --output "$MODEL" >/dev/null
 LOG=$(mktemp -d)
@@ -35,15 +37,18 @@ metric() { # url name -> sum of the metric's samples
   curl -s "$1/metrics" | awk -v n="$2" '$1 ~ "^"n"({|$)" {s+=$2} END {printf "%.6f", s}'
 }
 bench() { $BIN bench serve --url "$1" --input-len "$IN" --output-len "$OUT" --concurrency "$CONC" --num-prompts "$NUM" --warmup 1 --json; }
-report() { # label json transfer_s transfer_n
+report() { # label json transfer_s transfer_n [tail_s tail_n]
   python3 - "$@" <<'PY'
 import json, sys
 label, js, xs, xn = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+ts, tn = (float(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 6 else (0, 0)
 t = js["ttft_ms"]; i = js["itl_ms"]
 share = ""
 if xn > 0:
     per = xs / xn * 1e3
     share = f"  kv transfer {per:.2f} ms/request = {100 * per / t['mean']:.2f}% of mean TTFT"
+if tn > 0:
+    share += f", {ts / tn * 1e3:.2f} ms after the first token (kv tail)"
 print(f"{label:14s} TTFT p50 {t['p50']:8.2f} p99 {t['p99']:8.2f} ms  ITL p50 {i['p50']:6.2f} p99 {i['p99']:6.2f} ms  "
       f"{js['output_throughput']:7.1f} tok/s  failed {js['failed']}{share}")
 PY
@@ -55,7 +60,8 @@ report colocated "$(bench "$c")" 0 0
 cleanup; pids=()
 
 for backend in shm tcp; do
-  p=$(serve prefill-$backend --disaggregation-mode prefill --disaggregation-bootstrap-port 0 --disaggregation-transfer-backend $backend)
+  # shellcheck disable=SC2086
+  p=$(serve prefill-$backend --disaggregation-mode prefill --disaggregation-bootstrap-port 0 --disaggregation-transfer-backend $backend $PREFILL_ARGS)
   d=$(serve decode-$backend --disaggregation-mode decode --disaggregation-transfer-backend $backend)
   wait_health "$p"; wait_health "$d"
   lbp=$(free_port)
@@ -63,6 +69,7 @@ for backend in shm tcp; do
   pids+=($!)
   wait_health "http://127.0.0.1:$lbp"
   js=$(bench "http://127.0.0.1:$lbp")
-  report "1P1D $backend" "$js" "$(metric "$p" mooncake_disagg_transfer_seconds_sum)" "$(metric "$p" mooncake_disagg_transfer_seconds_count)"
+  report "1P1D $backend" "$js" "$(metric "$p" mooncake_disagg_transfer_seconds_sum)" "$(metric "$p" mooncake_disagg_transfer_seconds_count)" \
+    "$(metric "$p" mooncake_disagg_kv_tail_seconds_sum)" "$(metric "$p" mooncake_disagg_kv_tail_seconds_count)"
   cleanup; pids=()
 done

@@ -12,6 +12,7 @@ type metrics struct {
 	xferBytes prometheus.Counter
 	xferGBps  prometheus.Histogram
 	pushes    *prometheus.CounterVec // by: layer | pass
+	tail      prometheus.Histogram
 }
 
 func newMetrics(reg prometheus.Registerer, mode string) *metrics {
@@ -50,9 +51,13 @@ func newMetrics(reg prometheus.Registerer, mode string) *metrics {
 			Name: "mooncake_disagg_pushes_total", Help: "Prefill: KV transfer batches, by what made the pages ready: a layer report during a pass, or a pass's end.",
 			ConstLabels: prometheus.Labels{"mode": mode},
 		}, []string{"by"}),
+		tail: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "mooncake_disagg_kv_tail_seconds", Help: "Prefill: time from the first token's sampling to the notification of decode (the KV push not hidden behind compute).",
+			Buckets: b, ConstLabels: prometheus.Labels{"mode": mode},
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps, m.pushes)
+		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps, m.pushes, m.tail)
 	}
 	return m
 }

@@ -289,9 +289,10 @@ type proom struct {
 	first     int
 	logprob   float32
 	release   func()
-	err       error // first failure
-	sentPages int   // pages pushed of every layer (the least of layerSent)
-	auxSent   bool  // the first token is in decode's aux slot
+	doneAt    time.Time // when the engine called Done
+	err       error     // first failure
+	sentPages int       // pages pushed of every layer (the least of layerSent)
+	auxSent   bool      // the first token is in decode's aux slot
 	// Per layer: prompt tokens reported written by a layer call (and the
 	// fence to wait for first), and pages pushed.
 	layerTok   []int
@@ -371,7 +372,7 @@ func (r *proom) Done(first int, logprob float32, err error, release func()) {
 		r.lg.Debug("prefill computed", zap.Int("first", first), zap.Error(err))
 	}
 	r.mu.Lock()
-	r.done, r.first, r.logprob, r.release = true, first, logprob, release
+	r.done, r.first, r.logprob, r.release, r.doneAt = true, first, logprob, release, time.Now()
 	if err != nil && r.err == nil {
 		r.err = fmt.Errorf("prefill failed: %w", err)
 	}
@@ -592,7 +593,7 @@ func (r *proom) push() error {
 func (r *proom) finish(err error) {
 	p := r.p
 	r.mu.Lock()
-	dst, release, bytes, xfer := r.dst, r.release, r.bytes, r.xfer
+	dst, release, bytes, xfer, doneAt := r.dst, r.release, r.bytes, r.xfer, r.doneAt
 	if err == nil {
 		r.setState(Success)
 	} else {
@@ -613,6 +614,9 @@ func (r *proom) finish(err error) {
 			}
 		}
 		cancel()
+		if err == nil {
+			p.m.tail.Observe(time.Since(doneAt).Seconds())
+		}
 	}
 	if release != nil {
 		release()

@@ -216,6 +216,9 @@ func TestDisaggMatchesColocated(t *testing.T) {
 			// notification, which may be after the client got its answer.
 			p.waitMetric(t, `mooncake_disagg_requests_total{mode="prefill",result="success"}`, 5*time.Second,
 				func(v float64) bool { return int(v) == n })
+			if v := p.metric(t, `mooncake_disagg_kv_tail_seconds_count{mode="prefill"}`); int(v) != n {
+				t.Errorf("prefill observed %v KV tails, want %d", v, n)
+			}
 			p.waitFreePages(t, pFree, 5*time.Second)
 			d.waitFreePages(t, dFree, 5*time.Second)
 		})
