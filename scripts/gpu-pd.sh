@@ -9,6 +9,7 @@
 #      decode on GPU 1 (KV over NVLink, auto backend): greedy outputs equal at
 #      concurrency 1, and bench serve at inputs 1K/4K/8K (concurrency 1) and
 #      concurrency 1/8/32 at 1K, outputs 128; the KV transfer's share of TTFT.
+#   3. PD_VARIANTS="pass layer": the 1P1D round once per way of pushing the KV.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 log=${OUT:-gpu-bundle/logs}
@@ -65,21 +66,27 @@ if health "http://127.0.0.1:$p0"; then
 fi
 kill $cpid; wait $cpid 2>/dev/null
 
-echo "=== 1P1D: prefill GPU 0, decode GPU 1, auto transport"
+# PD_VARIANTS: how the prefill pushes the KV, one 1P1D round each: "pass"
+# (after each prefill pass) and/or "layer" (--disaggregation-push-by-layer).
+for variant in ${PD_VARIANTS:-pass layer}; do
+extra=""
+[ "$variant" = layer ] && extra="--disaggregation-push-by-layer"
+echo "=== 1P1D ($variant): prefill GPU 0, decode GPU 1, auto transport"
 pp=$(port); dp=$(port); lp=$(port)
-$mc serve $M --base-gpu-id 0 --port $pp --disaggregation-mode prefill --disaggregation-bootstrap-port 0 >"$log/prefill.log" 2>&1 &
+$mc serve $M --base-gpu-id 0 --port $pp --disaggregation-mode prefill --disaggregation-bootstrap-port 0 $extra >"$log/prefill-$variant.log" 2>&1 &
 ppid=$!
-$mc serve $M --base-gpu-id 1 --port $dp --disaggregation-mode decode >"$log/decode.log" 2>&1 &
+$mc serve $M --base-gpu-id 1 --port $dp --disaggregation-mode decode >"$log/decode-$variant.log" 2>&1 &
 dpid=$!
 health "http://127.0.0.1:$pp" && health "http://127.0.0.1:$dp"
-$mc lb --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1:$dp" --port $lp --log-level warn >"$log/lb.log" 2>&1 &
+$mc lb --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1:$dp" --port $lp --log-level warn >"$log/lb-$variant.log" 2>&1 &
 lpid=$!
 health "http://127.0.0.1:$lp"
-greedy "http://127.0.0.1:$lp" "$w/pd.json"
-python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print("1P1D greedy outputs equal colocated:", a==b)' "$w/colocated.json" "$w/pd.json"
-bench "http://127.0.0.1:$lp" 1P1D | tee "$log/bench-pd.txt"
-curl -s "http://127.0.0.1:$pp/metrics" >"$log/prefill-metrics.txt"
-grep -E '^mooncake_transfer_bytes_total|^mooncake_disagg_transfer_seconds_(sum|count)|^mooncake_disagg_transfer_bytes_total|^mooncake_disagg_requests_total' "$log/prefill-metrics.txt"
+greedy "http://127.0.0.1:$lp" "$w/pd-$variant.json"
+python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print("1P1D greedy outputs equal colocated:", a==b)' "$w/colocated.json" "$w/pd-$variant.json"
+bench "http://127.0.0.1:$lp" "1P1D-$variant" | tee "$log/bench-pd-$variant.txt"
+curl -s "http://127.0.0.1:$pp/metrics" >"$log/prefill-metrics-$variant.txt"
+grep -E '^mooncake_transfer_bytes_total|^mooncake_disagg_transfer_seconds_(sum|count)|^mooncake_disagg_kv_tail_seconds_(sum|count)|^mooncake_disagg_pushes_total|^mooncake_disagg_transfer_bytes_total|^mooncake_disagg_requests_total' "$log/prefill-metrics-$variant.txt"
 curl -s "http://127.0.0.1:$dp/metrics" | grep -E '^mooncake_engine_prefill_tokens_total|^mooncake_disagg_requests_total'
 kill $lpid $ppid $dpid; wait 2>/dev/null
-tail -3 "$log/prefill.log" "$log/decode.log"
+tail -3 "$log/prefill-$variant.log" "$log/decode-$variant.log"
+done
