@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -86,6 +88,23 @@ type Batch struct {
 	pending int
 	done    chan struct{}
 	reqs    []Request
+	held     []*Region // local regions, released once the transports are done with them
+	released atomic.Bool
+	reported atomic.Int64 // tasks whose transport called Done
+	expired  bool         // the bound or the caller's context ended tasks, not their transports (under mu)
+}
+
+// releaseHeld lets the batch's local regions go (once).
+func (b *Batch) releaseHeld() {
+	if b.released.CompareAndSwap(false, true) {
+		release(b.held)
+	}
+}
+
+func release(rs []*Region) {
+	for _, r := range rs {
+		r.Release()
+	}
 }
 
 // group is the tasks of one batch that go to one peer through one transport.
@@ -112,6 +131,15 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 	// and transport of the previous request are reused while they fit.
 	store := make([]Task, len(reqs))
 	var groups []group
+	// The local regions the batch touches are held until it ends, so
+	// UnregisterMemory waits for it.
+	var held []*Region
+	started := false
+	defer func() {
+		if !started {
+			release(held)
+		}
+	}()
 	gi := -1 // group of the previous request
 	refreshed := map[SegmentID]bool{}
 	var (
@@ -151,8 +179,13 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 		}
 		if lr == nil || uint64(r.Local) < lr.Addr || uint64(r.Local)+ln > lr.End() || uint64(r.Local)+ln < uint64(r.Local) || ln == 0 {
 			var err error
-			if lr, err = e.CheckLocal(uint64(r.Local), ln, 0); err != nil {
+			if lr, err = e.HoldLocal(uint64(r.Local), ln, 0); err != nil {
 				return nil, &OpError{Op: r.Op.String(), Segment: cur.name, Err: fmt.Errorf("request %d: local memory: %w", i, err)}
+			}
+			if slices.Contains(held, lr) {
+				lr.Release()
+			} else {
+				held = append(held, lr)
 			}
 		}
 		rr, err := tab.Check(r.Remote, rn, r.Op.need())
@@ -204,7 +237,8 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 
 	bctx, cancel := context.WithTimeout(ctx, e.cfg.Timeout)
 	b := &Batch{e: e, start: time.Now(), cancel: cancel, tasks: store, groups: groups,
-		pending: len(reqs), done: make(chan struct{}), reqs: reqs}
+		pending: len(reqs), done: make(chan struct{}), reqs: reqs, held: held}
+	started = true
 	if len(reqs) == 0 {
 		cancel()
 		close(b.done)
@@ -215,12 +249,19 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 	}
 	// Bound the batch: when bctx ends, every task still pending times out
 	// (or is canceled with the caller's context).
+	// stop is set under mu: the function below may run (in its own
+	// goroutine) before AfterFunc returns, and it takes mu first.
+	b.mu.Lock()
 	b.stop = context.AfterFunc(bctx, func() {
 		err := ctxErr(bctx, "batch")
+		b.mu.Lock()
+		b.expired = b.pending > 0
+		b.mu.Unlock()
 		for i := range store {
-			store[i].Done(err)
+			store[i].end(err)
 		}
 	})
+	b.mu.Unlock()
 	for _, g := range groups {
 		g.t.Submit(bctx, g.peer, g.tasks)
 	}
@@ -298,8 +339,24 @@ func (b *Batch) finish(i int, err error) {
 // complete records the batch's metrics (aggregated here, not per task) and
 // releases waiters.
 func (b *Batch) complete() {
-	b.stop()
+	b.mu.Lock()
+	stop := b.stop
+	b.mu.Unlock()
+	stop()
 	b.cancel()
+	// The local regions go when every transport has reported its tasks
+	// (Task.Done). Tasks the engine ended (timed out, canceled) may still
+	// have bytes on their way; if some transport never reports, the
+	// regions go one Timeout later, when every transport's own bounded
+	// waits have ended.
+	b.mu.Lock()
+	expired := b.expired
+	b.mu.Unlock()
+	if !expired {
+		b.releaseHeld()
+	} else if len(b.held) > 0 && !b.released.Load() {
+		time.AfterFunc(b.e.cfg.Timeout, b.releaseHeld)
+	}
 	el := time.Since(b.start).Seconds()
 	// Count per transport (a batch has few groups, and groups of one
 	// transport share its label values).

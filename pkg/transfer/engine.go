@@ -214,6 +214,18 @@ func (e *Engine) CheckLocal(addr, n uint64, need Access) (*Region, error) {
 	return e.checkLocalLocked(addr, n, need)
 }
 
+// HoldLocal is CheckLocal that also holds the region until its Release:
+// UnregisterMemory waits for every hold.
+func (e *Engine) HoldLocal(addr, n uint64, need Access) (*Region, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	r, err := e.checkLocalLocked(addr, n, need)
+	if err == nil {
+		r.holds.Add(1)
+	}
+	return r, err
+}
+
 func (e *Engine) checkLocalLocked(addr, n uint64, need Access) (*Region, error) {
 	if n == 0 || addr+n < addr {
 		return nil, &RangeError{Addr: addr, Len: n, Err: ErrOutOfBounds, Detail: "empty or wrapping range"}

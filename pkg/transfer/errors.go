@@ -18,6 +18,7 @@ var (
 	ErrAuth            = errors.New("transfer: cluster token rejected")
 	ErrRegistry        = errors.New("transfer: registry unreachable")
 	ErrCannotRegister  = errors.New("transfer: no transport can serve this region")
+	ErrRegionInUse     = errors.New("transfer: region still in use by transfers")
 )
 
 // OpError describes a failed operation on a segment.

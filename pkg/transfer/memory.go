@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sort"
 	"strings"
+	"time"
 
 	"go.uber.org/zap"
 )
@@ -139,7 +140,11 @@ func (e *Engine) unregisterFrom(ts []Transport, r *Region) {
 	}
 }
 
-// UnregisterMemory removes the region that starts at addr.
+// UnregisterMemory removes the region that starts at addr. It returns once
+// no transfer touches the region any more (a local batch, or a peer's
+// request being served), so the memory can be freed; if transfers still do
+// after twice the engine's Timeout, it fails with ErrRegionInUse and the
+// memory must not be freed.
 func (e *Engine) UnregisterMemory(ctx context.Context, addr uintptr) error {
 	e.mu.Lock()
 	idx := -1
@@ -156,6 +161,13 @@ func (e *Engine) UnregisterMemory(ctx context.Context, addr uintptr) error {
 	e.local = append(e.local[:idx], e.local[idx+1:]...)
 	e.rebuildSelfLocked()
 	e.mu.Unlock()
+	// No new transfer can reach the region now; wait for those that do
+	// (every batch ends within the engine's Timeout, and a timed-out one
+	// lets its memory go one Timeout later).
+	if err := r.drain(ctx, 2*e.cfg.Timeout+time.Second); err != nil {
+		e.publish(ctx)
+		return &OpError{Op: "unregister", Err: err}
+	}
 	for _, t := range e.cfg.Transports {
 		if _, ok := r.Handles[t.Name()]; ok || t.Reach() == ReachNetwork {
 			t.UnregisterRegion(r)
@@ -197,6 +209,9 @@ func (e *Engine) AllocHost(ctx context.Context, size int64, numa int, access Acc
 // FreeHost unregisters and releases memory from AllocHost.
 func (e *Engine) FreeHost(ctx context.Context, m *HostMemory) error {
 	err := e.UnregisterMemory(ctx, uintptr(m.Addr()))
+	if errors.Is(err, ErrRegionInUse) {
+		return err // unmapping it now could crash a transfer: leak it
+	}
 	if cerr := m.Close(); err == nil {
 		err = cerr
 	}

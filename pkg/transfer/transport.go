@@ -3,7 +3,9 @@ package transfer
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -69,6 +71,52 @@ type Region struct {
 	HostOffset int64
 	// Opaque carries backend data (for example a CUDA pool) for transports.
 	Opaque any
+
+	holds   atomic.Int64 // transfers touching the memory (HoldLocal, batches)
+	drainMu sync.Mutex
+	drained chan struct{} // made by UnregisterMemory; closed with the last hold
+}
+
+// Release drops a hold from Host.HoldLocal. It is a no-op on nil.
+func (r *Region) Release() {
+	if r == nil || r.holds.Add(-1) != 0 {
+		return
+	}
+	r.drainMu.Lock()
+	if r.drained != nil {
+		select {
+		case <-r.drained:
+		default:
+			close(r.drained)
+		}
+	}
+	r.drainMu.Unlock()
+}
+
+// drain waits until no hold is left, at most for bound or until ctx ends.
+// No hold can be taken once the region has left the table.
+func (r *Region) drain(ctx context.Context, bound time.Duration) error {
+	r.drainMu.Lock()
+	if r.drained == nil {
+		r.drained = make(chan struct{})
+	}
+	n := r.holds.Load()
+	ch := r.drained
+	r.drainMu.Unlock()
+	if n == 0 {
+		return nil
+	}
+	start := time.Now()
+	t := time.NewTimer(bound)
+	defer t.Stop()
+	select {
+	case <-ch:
+		return nil
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return fmt.Errorf("%w: %d transfers still touch [%#x, +%d) after %v; do not free it", ErrRegionInUse,
+		r.holds.Load(), r.Addr, r.Len, time.Since(start).Round(time.Millisecond))
 }
 
 // Task is one request as a transport sees it: bounds already checked.
@@ -92,8 +140,9 @@ type Task struct {
 	b     *Batch
 	i     int
 	g     int32 // group in b
-	fired atomic.Bool
-	state TaskState // under b.mu
+	fired    atomic.Bool // the task's result is set
+	reported atomic.Bool // its transport called Done: done with its memory
+	state    TaskState   // under b.mu
 	err   error     // under b.mu
 }
 
@@ -112,7 +161,16 @@ func (t *Task) Bytes() uint64 {
 }
 
 // Done reports the task's result; only the first call counts.
+// A transport calls it once it no longer touches the task's memory.
 func (t *Task) Done(err error) {
+	if t.reported.CompareAndSwap(false, true) && t.b.reported.Add(1) == int64(len(t.b.tasks)) {
+		t.b.releaseHeld() // every transport is done with the batch's memory
+	}
+	t.end(err)
+}
+
+// end sets the task's result; the first call counts.
+func (t *Task) end(err error) {
 	if t.fired.CompareAndSwap(false, true) {
 		t.b.finish(t.i, err)
 	}
@@ -131,9 +189,12 @@ type Host interface {
 	// fn owns conn.
 	Handle(kind string, fn func(conn net.Conn, from Hello))
 	// CheckLocal checks that [addr, addr+n) lies in one local registered
-	// region granting need. Transports that serve remote requests call it
-	// before touching memory.
+	// region granting need.
 	CheckLocal(addr, n uint64, need Access) (*Region, error)
+	// HoldLocal is CheckLocal that also holds the region until Release:
+	// UnregisterMemory waits for every hold. Transports that serve remote
+	// requests hold the region while they touch its memory.
+	HoldLocal(addr, n uint64, need Access) (*Region, error)
 	// Timeout is the bound on one batch.
 	Timeout() time.Duration
 }

@@ -94,11 +94,11 @@ func FuzzServe(f *testing.F) {
 			arena[i] = 0xA5
 		}
 		base := uint64(uintptr(unsafe.Pointer(&arena[4096])))
-		check := func(addr, n uint64, need transfer.Access) error {
+		check := func(addr, n uint64, need transfer.Access) (*transfer.Region, error) {
 			if addr < base || addr+n > base+4096 || addr+n < addr {
-				return &transfer.RangeError{Addr: addr, Len: n, Err: transfer.ErrOutOfBounds}
+				return nil, &transfer.RangeError{Addr: addr, Len: n, Err: transfer.ErrOutOfBounds}
 			}
-			return nil
+			return nil, nil
 		}
 		// Fuzz addresses are relative to the region: rebase them.
 		s := newServer(&rebase{in: append([]byte(nil), in...), base: base}, io.Discard, check, 0, nil)

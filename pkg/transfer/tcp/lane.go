@@ -157,20 +157,37 @@ type piece struct {
 	remote uint64
 	n      uint64
 	task   *transfer.Task
-	split  *atomic.Int64 // chunks left, for split tasks
+	split  *split // for a task sent as several pieces
 	ctx    context.Context
 }
 
+// split counts the pieces of one task still out and keeps the first error.
+type split struct {
+	left  atomic.Int64
+	mu    sync.Mutex
+	first error
+}
+
+// finish ends the piece. A split task is done when its last piece is, with
+// the first error: until then other pieces may still touch its memory.
 func (pc *piece) finish(err error) {
-	if pc.split == nil || err != nil {
+	sp := pc.split
+	if sp == nil {
 		pc.task.Done(err)
-		if pc.split != nil {
-			pc.split.Add(-1)
-		}
 		return
 	}
-	if pc.split.Add(-1) == 0 {
-		pc.task.Done(nil) // no effect if a chunk failed first
+	if err != nil {
+		sp.mu.Lock()
+		if sp.first == nil {
+			sp.first = err
+		}
+		sp.mu.Unlock()
+	}
+	if sp.left.Add(-1) == 0 {
+		sp.mu.Lock()
+		err = sp.first
+		sp.mu.Unlock()
+		pc.task.Done(err)
 	}
 }
 
@@ -209,15 +226,15 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		if tk.Op == transfer.Read {
 			op = opRead
 		}
-		var split *atomic.Int64
+		var sp *split
 		if np := piecesOf(tk, chunk); np > 1 {
-			split = new(atomic.Int64)
-			split.Store(int64(np))
+			sp = new(split)
+			sp.left.Store(int64(np))
 		}
 		if tk.List == nil {
 			for off := uint64(0); off < tk.Len; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
-					task: tk, split: split, ctx: ctx}
+					task: tk, split: sp, ctx: ctx}
 				add(&pieces[k])
 				k++
 			}
@@ -226,7 +243,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		for _, pg := range tk.List.Pages {
 			for off := uint64(0); off < tk.List.PageLen; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + pg.Local + off, remote: tk.Remote + pg.Remote + off,
-					n: min(chunk, tk.List.PageLen-off), task: tk, split: split, ctx: ctx}
+					n: min(chunk, tk.List.PageLen-off), task: tk, split: sp, ctx: ctx}
 				add(&pieces[k])
 				k++
 			}

@@ -26,12 +26,14 @@ func mem(addr, n uint64) []byte {
 	return unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&p))), n)
 }
 
-// checkFunc is Host.CheckLocal without the region.
-type checkFunc func(addr, n uint64, need transfer.Access) error
+// holdFunc is Host.HoldLocal: the region (nil if none need be released)
+// stays valid until its Release.
+type holdFunc func(addr, n uint64, need transfer.Access) (*transfer.Region, error)
 
 type response struct {
 	hdr     [respSize]byte
 	payload []byte
+	hold    *transfer.Region // released once the payload is written
 }
 
 // server serves one data lane: it reads requests, checks each one against
@@ -40,7 +42,7 @@ type response struct {
 type server struct {
 	r       *bufio.Reader
 	w       io.Writer
-	check   checkFunc
+	hold    holdFunc
 	timeout time.Duration
 	closeFn func() // unblocks the reader when the writer fails
 	out     chan []response
@@ -55,8 +57,8 @@ const maxPending = 64
 
 const readBufSize = 64 << 10
 
-func newServer(r io.Reader, w io.Writer, check checkFunc, timeout time.Duration, closeFn func()) *server {
-	return &server{r: bufio.NewReaderSize(r, readBufSize), w: w, check: check, timeout: timeout,
+func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, closeFn func()) *server {
+	return &server{r: bufio.NewReaderSize(r, readBufSize), w: w, hold: hold, timeout: timeout,
 		closeFn: closeFn, out: make(chan []response, 8), free: make(chan []response, 10)}
 }
 
@@ -123,7 +125,8 @@ func (s *server) readLoop() error {
 		if h.op == opWrite {
 			need = transfer.AccessWrite
 		}
-		if cerr := s.check(h.addr, h.len, need); cerr != nil {
+		reg, cerr := s.hold(h.addr, h.len, need)
+		if cerr != nil {
 			if h.op == opWrite {
 				// Skip the payload: nothing was written.
 				if _, err := s.r.Discard(int(h.len)); err != nil {
@@ -143,13 +146,15 @@ func (s *server) readLoop() error {
 		dst := mem(h.addr, h.len)
 		var r response
 		if h.op == opWrite {
-			if _, err := io.ReadFull(s.r, dst); err != nil {
+			_, err := io.ReadFull(s.r, dst)
+			reg.Release()
+			if err != nil {
 				return err
 			}
 			(&respHeader{id: h.id}).put(r.hdr[:])
 		} else {
 			(&respHeader{id: h.id, len: h.len}).put(r.hdr[:])
-			r.payload = dst
+			r.payload, r.hold = dst, reg
 		}
 		s.push(r)
 	}
@@ -196,6 +201,7 @@ func (s *server) writeLoop() {
 			}
 		}
 		if failed {
+			releaseHolds(batch)
 			continue // keep draining so the reader never blocks
 		}
 		bufs = bufs[:0]
@@ -215,8 +221,15 @@ func (s *server) writeLoop() {
 				s.closeFn()
 			}
 		}
+		releaseHolds(batch)
 		clear(batch)
 		clear(bufs)
+	}
+}
+
+func releaseHolds(rs []response) {
+	for i := range rs {
+		rs[i].hold.Release()
 	}
 }
 

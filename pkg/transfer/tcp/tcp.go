@@ -9,7 +9,7 @@
 // requests, and a reader goroutine reads responses, storing the data of
 // reads straight into registered memory. Tasks larger than
 // Config.ChunkSize are split into chunks spread over the lanes. The serving
-// side checks every request against its registered regions (Host.CheckLocal)
+// side checks every request against its registered regions (Host.HoldLocal)
 // before it touches memory and answers a refused one with an error naming
 // the range. The byte layout is in docs/format/tcp.md.
 package tcp
@@ -159,10 +159,7 @@ func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, r
 // it closes.
 func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 	defer conn.Close()
-	s := newServer(conn, conn, func(addr, n uint64, need transfer.Access) error {
-		_, err := t.h.CheckLocal(addr, n, need)
-		return err
-	}, t.h.Timeout(), func() { conn.Close() })
+	s := newServer(conn, conn, t.h.HoldLocal, t.h.Timeout(), func() { conn.Close() })
 	err := s.run()
 	if err != nil && !isClosed(err) && t.lg.Core().Enabled(zap.DebugLevel) {
 		t.lg.Debug("lane ended", zap.String("peer", from.Name), zap.Error(err))

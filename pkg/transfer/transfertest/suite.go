@@ -124,6 +124,38 @@ func Run(t *testing.T, newTransports func() []transfer.Transport) {
 	t.Run("ClusterToken", func(t *testing.T) { testToken(t, newTransports) })
 	t.Run("NotifyProbe", func(t *testing.T) { testNotifyProbe(t, newTransports) })
 	t.Run("Restart", func(t *testing.T) { testRestart(t, newTransports) })
+	t.Run("UnregisterAfterTransfers", func(t *testing.T) { testUnregisterAfter(t, newTransports) })
+}
+
+// testUnregisterAfter: once batches (writes and reads, plain and
+// page lists) are done, neither side holds the memory any more: both
+// unregister at once (a hold left behind would make it wait, then fail).
+func testUnregisterAfter(t *testing.T, nt func() []transfer.Transport) {
+	a, b := NewNode(t, nt, nil), NewNode(t, nt, nil)
+	am, bm := a.Alloc(t, 4<<20, transfer.AccessReadWrite), b.Alloc(t, 4<<20, transfer.AccessReadWrite)
+	seg := open(t, a.E, b.E.Name())
+	rng := rand.New(rand.NewPCG(9, 10))
+	for _, op := range []transfer.Op{transfer.Write, transfer.Read} {
+		for _, pages := range []bool{false, true} {
+			spans := layout(rng, 64, 4<<20, func() int { return 16 << 10 })
+			transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), op, spans, rng, nil, pages)
+		}
+	}
+	for _, c := range []struct {
+		e    *transfer.Engine
+		addr uint64
+	}{{b.E, bm.Addr()}, {a.E, am.Addr()}} {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		start := time.Now()
+		err := c.e.UnregisterMemory(ctx, uintptr(c.addr))
+		cancel()
+		if err != nil {
+			t.Fatalf("unregister %s after its transfers: %v", c.e.Name(), err)
+		}
+		if el := time.Since(start); el > 500*time.Millisecond {
+			t.Errorf("unregister %s took %v after its transfers ended", c.e.Name(), el)
+		}
+	}
 }
 
 const bufSize = 16 << 20
