@@ -78,16 +78,16 @@ type TaskStatus struct {
 // Batch is a set of submitted requests. Every task leaves Pending within the
 // engine's Timeout.
 type Batch struct {
-	e       *Engine
-	start   time.Time
-	cancel  context.CancelFunc
-	stop    func() bool
-	mu      sync.Mutex
-	tasks   []Task // state and error per task, under mu
-	groups  []group
-	pending int
-	done    chan struct{}
-	reqs    []Request
+	e        *Engine
+	start    time.Time
+	cancel   context.CancelFunc
+	stop     func() bool
+	mu       sync.Mutex
+	tasks    []Task // state and error per task, under mu
+	groups   []group
+	pending  int
+	done     chan struct{}
+	reqs     []Request
 	held     []*Region // local regions, released once the transports are done with them
 	released atomic.Bool
 	reported atomic.Int64 // tasks whose transport called Done

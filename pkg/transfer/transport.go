@@ -137,13 +137,13 @@ type Task struct {
 	// LocalRegion is the local registered region holding [Local, Local+Len).
 	LocalRegion *Region
 
-	b     *Batch
-	i     int
-	g     int32 // group in b
+	b        *Batch
+	i        int
+	g        int32       // group in b
 	fired    atomic.Bool // the task's result is set
 	reported atomic.Bool // its transport called Done: done with its memory
 	state    TaskState   // under b.mu
-	err   error     // under b.mu
+	err      error       // under b.mu
 }
 
 // PageList is a page-list task's pages: PageLen bytes at each offset pair.
