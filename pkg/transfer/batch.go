@@ -90,8 +90,19 @@ type Batch struct {
 	reqs     []Request
 	held     []*Region // local regions, released once the transports are done with them
 	released atomic.Bool
-	reported atomic.Int64 // tasks whose transport called Done
-	expired  bool         // the bound or the caller's context ended tasks, not their transports (under mu)
+	reported int  // tasks whose transport called Done (under mu)
+	expired  bool // the bound or the caller's context ended tasks, not their transports (under mu)
+}
+
+// lateReport counts a transport's Done for a task the engine had ended.
+func (b *Batch) lateReport() {
+	b.mu.Lock()
+	b.reported++
+	all := b.reported == len(b.tasks)
+	b.mu.Unlock()
+	if all {
+		b.releaseHeld()
+	}
 }
 
 // releaseHeld lets the batch's local regions go (once).
@@ -152,7 +163,8 @@ func (e *Engine) Submit(ctx context.Context, reqs []Request) (*Batch, error) {
 		lastLoc Location
 		lastT   Transport
 	)
-	for i, r := range reqs {
+	for i := range reqs {
+		r := &reqs[i]
 		if r.Segment != curID || cur == nil {
 			cur = e.segAt(r.Segment)
 			if cur == nil {
@@ -302,11 +314,20 @@ func (e *Engine) Select(loc Location, peer *Descriptor, rem *RegionInfo) string 
 	return ""
 }
 
-func (b *Batch) finish(i int, err error) {
+// finish sets task i's result; reported says its transport is done with
+// its memory.
+func (b *Batch) finish(i int, err error, reported bool) {
 	b.mu.Lock()
+	if reported {
+		b.reported++
+	}
+	allReported := b.reported == len(b.tasks)
 	t := &b.tasks[i]
 	if t.state != Pending {
 		b.mu.Unlock()
+		if allReported {
+			b.releaseHeld()
+		}
 		return
 	}
 	switch {
@@ -321,6 +342,9 @@ func (b *Batch) finish(i int, err error) {
 	b.pending--
 	last := b.pending == 0
 	b.mu.Unlock()
+	if allReported {
+		b.releaseHeld() // every transport is done with the batch's memory
+	}
 
 	r := &b.reqs[i]
 	if err != nil && r.Segment != LocalSegment && (errors.Is(err, ErrPeerDead) || errors.Is(err, ErrTimeout) || errors.Is(err, ErrPeerRestarted)) {

@@ -137,13 +137,12 @@ type Task struct {
 	// LocalRegion is the local registered region holding [Local, Local+Len).
 	LocalRegion *Region
 
-	b        *Batch
-	i        int
-	g        int32       // group in b
-	fired    atomic.Bool // the task's result is set
-	reported atomic.Bool // its transport called Done: done with its memory
-	state    TaskState   // under b.mu
-	err      error       // under b.mu
+	b     *Batch
+	i     int
+	g     int32         // group in b
+	flags atomic.Uint32 // taskFired, taskReported
+	state TaskState     // under b.mu
+	err   error         // under b.mu
 }
 
 // PageList is a page-list task's pages: PageLen bytes at each offset pair.
@@ -163,18 +162,27 @@ func (t *Task) Bytes() uint64 {
 // Done reports the task's result; only the first call counts.
 // A transport calls it once it no longer touches the task's memory.
 func (t *Task) Done(err error) {
-	if t.reported.CompareAndSwap(false, true) && t.b.reported.Add(1) == int64(len(t.b.tasks)) {
-		t.b.releaseHeld() // every transport is done with the batch's memory
+	old := t.flags.Or(taskFired | taskReported)
+	switch {
+	case old&taskFired == 0:
+		t.b.finish(t.i, err, true)
+	case old&taskReported == 0:
+		t.b.lateReport() // the engine ended the task (timed out) before its transport did
 	}
-	t.end(err)
 }
 
-// end sets the task's result; the first call counts.
+// end sets the task's result for the engine (the batch's bound or
+// context); the transport still reports the task with Done.
 func (t *Task) end(err error) {
-	if t.fired.CompareAndSwap(false, true) {
-		t.b.finish(t.i, err)
+	if t.flags.Or(taskFired)&taskFired == 0 {
+		t.b.finish(t.i, err, false)
 	}
 }
+
+const (
+	taskFired    = 1 << iota // the result is set
+	taskReported             // the transport called Done
+)
 
 // Host is what the engine offers its transports.
 type Host interface {
