@@ -233,11 +233,19 @@ type copyDesc struct {
 	src, dst, len, firstChunk uint64
 }
 
-// Plan computes chunking and grid for descs.
+// Plan computes chunking and grid for descs. It reads descs once when the
+// blocks are equal (the common case: pages), twice otherwise.
 func (cp *Copier) Plan(descs []CopyDesc) Plan {
-	var total uint64
+	var total, n0 uint64
+	if len(descs) > 0 {
+		n0 = descs[0].Len
+	}
+	uniform := true
+	var addrs uint64 // OR of every end, for the alignment test
 	for _, d := range descs {
 		total += d.Len
+		uniform = uniform && d.Len == n0
+		addrs |= uint64(d.Src) | uint64(d.Dst)
 	}
 	block := cp.cfg.BlockThreads
 	maxGrid := cp.sms * cp.cfg.CTAsPerSM
@@ -247,21 +255,33 @@ func (cp *Copier) Plan(descs []CopyDesc) Plan {
 		chunk = total / (warps * 4) &^ 15
 		chunk = min(max(chunk, 2048), 64<<10)
 	}
-	var chunks uint64
-	per := uint64(0)
-	for i, d := range descs {
-		k := max((d.Len+chunk-1)/chunk, 1)
-		if i == 0 {
-			per = k
-		} else if k != per {
-			per = 0
+	chunksOf := func(n uint64) uint64 { return max((n+chunk-1)/chunk, 1) }
+	var chunks, per uint64
+	switch {
+	case len(descs) == 0:
+	case uniform:
+		per = chunksOf(n0)
+		chunks = per * uint64(len(descs))
+	default:
+		// Lengths differ, but the chunk counts may still all be equal.
+		last, lastK := ^uint64(0), uint64(0)
+		per = chunksOf(n0)
+		for _, d := range descs {
+			if d.Len != last {
+				last, lastK = d.Len, chunksOf(d.Len)
+				if lastK != per {
+					per = 0
+				}
+			}
+			chunks += lastK
 		}
-		chunks += k
 	}
 	wpb := uint64(block / 32)
 	grid := uint32(min((chunks+wpb-1)/wpb, uint64(maxGrid)))
 	p := Plan{Kernel: KernelChunks, ChunkBytes: chunk, TotalChunks: chunks, ChunksPerDesc: per, Grid: max(grid, 1), Block: block}
-	if cp.cfg.Kernel != KernelChunks && pagesFit(descs) {
+	// The pages kernel: equal non-zero lengths that are multiples of 16,
+	// 16-byte-aligned ends.
+	if cp.cfg.Kernel != KernelChunks && uniform && per != 0 && n0 != 0 && n0%16 == 0 && addrs&15 == 0 {
 		vecs := total / 16
 		u := uint64(max(cp.cfg.Unroll, 1))
 		pg := cp.pagesGrid
@@ -270,27 +290,9 @@ func (cp *Copier) Plan(descs []CopyDesc) Plan {
 		}
 		threads := (vecs + u - 1) / u
 		g := uint32(min((threads+uint64(block)-1)/uint64(block), uint64(pg)))
-		p.Kernel, p.PageBytes, p.Grid = KernelPages, descs[0].Len, max(g, 1)
+		p.Kernel, p.PageBytes, p.Grid = KernelPages, n0, max(g, 1)
 	}
 	return p
-}
-
-// pagesFit reports whether the pages kernel can copy descs: equal non-zero
-// lengths that are multiples of 16, 16-byte-aligned ends.
-func pagesFit(descs []CopyDesc) bool {
-	if len(descs) == 0 {
-		return false
-	}
-	n := descs[0].Len
-	if n == 0 || n%16 != 0 {
-		return false
-	}
-	for _, d := range descs {
-		if d.Len != n || (uint64(d.Src)|uint64(d.Dst))&15 != 0 {
-			return false
-		}
-	}
-	return true
 }
 
 // Copy enqueues the batch on s: the descriptors go up through a pinned

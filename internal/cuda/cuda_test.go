@@ -3,6 +3,7 @@ package cuda
 import (
 	"bytes"
 	"errors"
+	"math/rand/v2"
 	"strings"
 	"testing"
 )
@@ -153,5 +154,102 @@ func TestCopierPlan(t *testing.T) {
 	one := cp.Plan([]CopyDesc{{Len: 0}})
 	if one.TotalChunks != 1 || one.Grid != 1 {
 		t.Fatalf("empty-desc plan %+v", one)
+	}
+}
+
+// BenchmarkCopierPlan is the host's planning cost per descriptor of a
+// 65536-page batch (the part of Copy before the staging writes).
+func BenchmarkCopierPlan(b *testing.B) {
+	cp := &Copier{cfg: CopierConfig{BlockThreads: 256, CTAsPerSM: 8}, sms: 132}
+	descs := make([]CopyDesc, 65536)
+	for i := range descs {
+		descs[i] = CopyDesc{Src: DevicePtr(i * 4096), Dst: DevicePtr((65536 - i) * 4096), Len: 4096}
+	}
+	for b.Loop() {
+		cp.Plan(descs)
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(descs)), "ns/desc")
+}
+
+// planRef is Plan as first written (a pass per question): the reference
+// for TestCopierPlanSame.
+func planRef(cp *Copier, descs []CopyDesc) Plan {
+	var total uint64
+	for _, d := range descs {
+		total += d.Len
+	}
+	block := cp.cfg.BlockThreads
+	maxGrid := cp.sms * cp.cfg.CTAsPerSM
+	chunk := cp.cfg.ChunkBytes
+	if chunk == 0 {
+		warps := uint64(maxGrid) * uint64(block/32)
+		chunk = total / (warps * 4) &^ 15
+		chunk = min(max(chunk, 2048), 64<<10)
+	}
+	var chunks, per uint64
+	for i, d := range descs {
+		k := max((d.Len+chunk-1)/chunk, 1)
+		if i == 0 {
+			per = k
+		} else if k != per {
+			per = 0
+		}
+		chunks += k
+	}
+	wpb := uint64(block / 32)
+	grid := uint32(min((chunks+wpb-1)/wpb, uint64(maxGrid)))
+	p := Plan{Kernel: KernelChunks, ChunkBytes: chunk, TotalChunks: chunks, ChunksPerDesc: per, Grid: max(grid, 1), Block: block}
+	fit := len(descs) > 0 && descs[0].Len != 0 && descs[0].Len%16 == 0
+	for _, d := range descs {
+		fit = fit && d.Len == descs[0].Len && (uint64(d.Src)|uint64(d.Dst))&15 == 0
+	}
+	if cp.cfg.Kernel != KernelChunks && fit {
+		vecs := total / 16
+		u := uint64(max(cp.cfg.Unroll, 1))
+		pg := cp.pagesGrid
+		if pg == 0 {
+			pg = maxGrid
+		}
+		threads := (vecs + u - 1) / u
+		g := uint32(min((threads+uint64(block)-1)/uint64(block), uint64(pg)))
+		p.Kernel, p.PageBytes, p.Grid = KernelPages, descs[0].Len, max(g, 1)
+	}
+	return p
+}
+
+// TestCopierPlanSame: Plan gives the reference's plan on many batches.
+func TestCopierPlanSame(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	kinds := map[CopyKernel]int{}
+	for trial := 0; trial < 2000; trial++ {
+		cp := &Copier{cfg: CopierConfig{BlockThreads: 32 * uint32(1+rng.IntN(8)), CTAsPerSM: uint32(1 + rng.IntN(8)),
+			Unroll: rng.IntN(5)}, sms: uint32(1 + rng.IntN(132)), pagesGrid: uint32(rng.IntN(300))}
+		if rng.IntN(3) == 0 {
+			cp.cfg.ChunkBytes = 16 * uint64(1+rng.IntN(512))
+		}
+		if rng.IntN(4) == 0 {
+			cp.cfg.Kernel = KernelChunks
+		}
+		n := rng.IntN(300)
+		descs := make([]CopyDesc, n)
+		size := uint64(16 * (1 + rng.IntN(1024)))
+		mess := rng.IntN(2) == 0 // else every block is an aligned page
+		for i := range descs {
+			descs[i] = CopyDesc{Src: DevicePtr(rng.Uint64() &^ 15), Dst: DevicePtr(rng.Uint64() &^ 15), Len: size}
+			switch rng.IntN(20) * map[bool]int{true: 1, false: 0}[mess] {
+			case 1:
+				descs[i].Len = uint64(rng.IntN(1 << 20)) // another size, maybe 0 or odd
+			case 2:
+				descs[i].Src |= 1 // misaligned
+			}
+		}
+		got, want := cp.Plan(descs), planRef(cp, descs)
+		if got != want {
+			t.Fatalf("trial %d (%d descs): Plan %+v, reference %+v", trial, n, got, want)
+		}
+		kinds[got.Kernel]++
+	}
+	if kinds[KernelPages] < 100 || kinds[KernelChunks] < 100 {
+		t.Fatalf("trials by kernel %v: both kinds should be common", kinds)
 	}
 }
