@@ -376,7 +376,7 @@ func httpStatus(err error) error {
 	for _, m := range []struct {
 		err  error
 		code int
-	}{{disagg.ErrKVTimeout, 504}, {disagg.ErrPoolFull, 503}, {disagg.ErrPrefillUnreachable, 502}} {
+	}{{disagg.ErrKVTimeout, 504}, {disagg.ErrPoolFull, 503}, {disagg.ErrPrefillUnreachable, 502}, {disagg.ErrDecodeClosing, 503}} {
 		if errors.Is(err, m.err) {
 			return &server.Error{Status: m.code, Message: err.Error(), Err: err}
 		}

@@ -46,8 +46,12 @@ type Decode struct {
 	aux    *auxSlots
 	client *http.Client
 
-	mu    sync.Mutex
-	rooms map[uint64]chan Result
+	mu     sync.Mutex
+	rooms  map[uint64]chan Result
+	closed bool           // under mu: Prepare refuses new rooms
+	wg     sync.WaitGroup // Prepares in flight
+	ctx    context.Context
+	cancel context.CancelFunc // ends the Prepares in flight, at Close
 }
 
 // NewDecode prepares the decode side; wire OnNotify to the transfer
@@ -73,15 +77,26 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	if err != nil {
 		return nil, err
 	}
+	cctx, cancel := context.WithCancel(context.Background())
 	return &Decode{cfg: cfg, lg: lg.Named("disagg.decode"), m: newMetrics(cfg.Registerer, "decode"), aux: aux,
-		rooms: map[uint64]chan Result{},
+		rooms: map[uint64]chan Result{}, ctx: cctx, cancel: cancel,
 		client: &http.Client{Transport: &http.Transport{
 			DialContext: (&net.Dialer{Timeout: 2 * time.Second}).DialContext, MaxIdleConnsPerHost: 64,
 		}}}, nil
 }
 
-// Close releases the aux buffer.
+// Close refuses new rooms, ends the ones waiting (each asks its prefill to
+// drop the room, bounded), then releases the aux buffer.
 func (d *Decode) Close() error {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil
+	}
+	d.closed = true
+	d.mu.Unlock()
+	d.cancel()
+	d.wg.Wait()
 	d.client.CloseIdleConnections()
 	return d.cfg.Transfer.FreeHost(context.Background(), d.aux.mem)
 }
@@ -118,6 +133,14 @@ func (d *Decode) OnNotify(n transfer.Notification) {
 // owning the pages; on failure every page is released and the error says
 // why.
 func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, port int, room uint64) (err error) {
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return ErrDecodeClosing
+	}
+	d.wg.Add(1)
+	d.mu.Unlock()
+	defer d.wg.Done()
 	start := time.Now()
 	lg := d.lg.With(zap.Uint64("room", room), zap.String("rid", req.ID))
 	boot := "http://" + net.JoinHostPort(host, strconv.Itoa(port))
@@ -142,6 +165,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 
 	wctx, cancel := context.WithTimeout(ctx, d.cfg.Timeout)
 	defer cancel()
+	defer context.AfterFunc(d.ctx, cancel)() // Close ends the wait
 	ps := d.cfg.Info.Layout.PageSize
 	n := (len(req.InputIDs) + ps - 1) / ps
 	pages, err := d.allocPages(wctx, n)
@@ -226,8 +250,11 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			}
 		case <-wctx.Done():
 			why := fmt.Errorf("%w: KV for room %d did not arrive within %v", ErrKVTimeout, room, d.cfg.Timeout)
-			if ctx.Err() != nil {
+			switch {
+			case ctx.Err() != nil:
 				why = fmt.Errorf("request aborted while waiting for KV: %w", ctx.Err())
+			case d.ctx.Err() != nil:
+				why = fmt.Errorf("%w while waiting for the KV of room %d", ErrDecodeClosing, room)
 			}
 			d.cancelRemote(boot, room, lg)
 			releaseAll()

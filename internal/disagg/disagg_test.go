@@ -132,6 +132,7 @@ type fakeEngine struct {
 	s        *side
 	pages    []int32
 	released chan struct{}
+	ended    atomic.Bool // done was called
 }
 
 func (s *side) startPrefill(t *testing.T, hook engine.PrefillHook, prompt int) *fakeEngine {
@@ -142,7 +143,15 @@ func (s *side) startPrefill(t *testing.T, hook engine.PrefillHook, prompt int) *
 		t.Fatal(err)
 	}
 	hook.Pages(pages)
-	return &fakeEngine{s: s, pages: pages, released: make(chan struct{})}
+	f := &fakeEngine{s: s, pages: pages, released: make(chan struct{})}
+	// A test that fails before the engine's Done would leave the room's
+	// worker waiting for it, and the prefill's Close with it: end it.
+	t.Cleanup(func() {
+		if !f.ended.Load() {
+			f.done(hook, -1, 0, errors.New("test ended before the engine was done"))
+		}
+	})
+	return f
 }
 
 // chunk computes the prompt's tokens up to done.
@@ -155,6 +164,7 @@ func (f *fakeEngine) chunk(hook engine.PrefillHook, from, done int) {
 }
 
 func (f *fakeEngine) done(hook engine.PrefillHook, first int, lp float32, err error) {
+	f.ended.Store(true)
 	var once sync.Once
 	hook.Done(first, lp, err, func() {
 		once.Do(func() {
@@ -396,13 +406,10 @@ func TestPushByLayer(t *testing.T) {
 		x.pre.fill(i, p)
 	}
 	g := make(gate)
-	var doneCalled, gateOpen bool
+	gateOpen := false
 	t.Cleanup(func() { // a failed test must not leave the room's worker waiting
 		if !gateOpen {
 			close(g)
-		}
-		if !doneCalled {
-			f.done(preq.Prefill, -1, 0, errors.New("test failed"))
 		}
 	})
 	lh.Layer(0, prompt, g)
@@ -420,7 +427,6 @@ func TestPushByLayer(t *testing.T) {
 	waitFor(t, "layer 1 pushed", 2*time.Second, func() bool { return x.dec.layerWritten(1) })
 	hook := preq.Prefill
 	hook.Chunk(prompt)
-	doneCalled = true
 	f.done(hook, 5, -1, nil)
 	res := wait(t, dch, 5*time.Second)
 	if res.err != nil {
@@ -439,6 +445,36 @@ func TestPushByLayer(t *testing.T) {
 	f.waitReleased(t, 2*time.Second)
 	if err := x.dec.pages.Release(pl.Pages); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestDecodeClose: closing the decode side ends the rooms waiting for KV
+// (their pages come back, the prefill drops the room) and refuses new ones;
+// the aux buffer goes only after.
+func TestDecodeClose(t *testing.T) {
+	x := newPD(t, pdOpts{})
+	const room = 0xc105e
+	dreq := &engine.Request{ID: "d", InputIDs: make([]int, 9)}
+	dch := x.prepareDecode(context.Background(), dreq, x.p.Port(), room)
+	x.waitRegistered(t, room)
+	start := time.Now()
+	if err := x.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	res := wait(t, dch, time.Second)
+	if !errors.Is(res.err, ErrDecodeClosing) {
+		t.Fatalf("waiting room ended with %v, want ErrDecodeClosing", res.err)
+	}
+	if el := time.Since(start); el > 2*time.Second {
+		t.Fatalf("Close took %v", el)
+	}
+	if got := x.dec.pages.Free(); got != testLayout.Pages {
+		t.Fatalf("decode free pages %d, want all %d", got, testLayout.Pages)
+	}
+	waitFor(t, "prefill dropped the room", 2*time.Second, func() bool { return x.p.Rooms() == 0 })
+	err := x.d.Prepare(context.Background(), &engine.Request{ID: "late", InputIDs: make([]int, 3)}, "127.0.0.1", x.p.Port(), room+1)
+	if !errors.Is(err, ErrDecodeClosing) {
+		t.Fatalf("Prepare after Close: %v", err)
 	}
 }
 

@@ -29,9 +29,10 @@ import (
 // Errors a decode-side Prepare wraps, so a server can answer with a
 // fitting status.
 var (
-	ErrKVTimeout          = errors.New("disagg: KV wait timed out")          // 504
-	ErrPoolFull           = errors.New("disagg: decode KV pool stayed full") // 503
-	ErrPrefillUnreachable = errors.New("disagg: prefill server unreachable") // 502
+	ErrKVTimeout          = errors.New("disagg: KV wait timed out")           // 504
+	ErrPoolFull           = errors.New("disagg: decode KV pool stayed full")  // 503
+	ErrPrefillUnreachable = errors.New("disagg: prefill server unreachable")  // 502
+	ErrDecodeClosing      = errors.New("disagg: decode server shutting down") // 503
 )
 
 // State is a room's progress.
