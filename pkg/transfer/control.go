@@ -48,6 +48,13 @@ func (e *Engine) adoptCtl(d *Descriptor, conn net.Conn) *ctlConn {
 		return c
 	}
 	old := e.ctl[d.Name]
+	if old != nil && old.inc == d.Incarnation && old.alive() {
+		// Another caller dialed the same peer at the same time and won:
+		// use its connection (closing it would fail that caller's calls).
+		e.mu.Unlock()
+		conn.Close()
+		return old
+	}
 	e.ctl[d.Name] = c
 	e.wg.Add(1)
 	e.mu.Unlock()
@@ -80,6 +87,15 @@ func (c *ctlConn) readLoop() {
 		if ch != nil {
 			ch <- m
 		}
+	}
+}
+
+func (c *ctlConn) alive() bool {
+	select {
+	case <-c.done:
+		return false
+	default:
+		return true
 	}
 }
 

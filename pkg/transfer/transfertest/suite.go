@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 	"unsafe"
@@ -123,6 +124,7 @@ func Run(t *testing.T, newTransports func() []transfer.Transport) {
 	t.Run("ReadOnly", func(t *testing.T) { testReadOnly(t, newTransports) })
 	t.Run("ClusterToken", func(t *testing.T) { testToken(t, newTransports) })
 	t.Run("NotifyProbe", func(t *testing.T) { testNotifyProbe(t, newTransports) })
+	t.Run("ConcurrentFirstNotifies", func(t *testing.T) { testConcurrentNotify(t, newTransports) })
 	t.Run("Restart", func(t *testing.T) { testRestart(t, newTransports) })
 	t.Run("UnregisterAfterTransfers", func(t *testing.T) { testUnregisterAfter(t, newTransports) })
 }
@@ -536,6 +538,41 @@ func testToken(t *testing.T, nt func() []transfer.Transport) {
 	rng := rand.New(rand.NewPCG(11, 12))
 	spans := layout(rng, 10, 1<<20, func() int { return 1 + rng.IntN(50000) })
 	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Write, spans, rng, nil, false)
+}
+
+// testConcurrentNotify: many notifications at once to a peer with no
+// control connection yet (as rooms finishing together) all arrive and all
+// succeed: concurrent dials must not close each other's connection.
+func testConcurrentNotify(t *testing.T, nt func() []transfer.Transport) {
+	const n = 32
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	b := NewNode(t, nt, func(c *transfer.Config) {
+		c.OnNotify = func(x transfer.Notification) { mu.Lock(); seen[string(x.Data)] = true; mu.Unlock() }
+	})
+	for round := 0; round < 5; round++ {
+		a := NewNode(t, nt, nil)
+		var wg sync.WaitGroup
+		errs := make(chan error, n)
+		for i := 0; i < n; i++ {
+			wg.Go(func() {
+				if err := a.E.Notify(context.Background(), b.E.Name(), "room", []byte(fmt.Sprint(round, "/", i))); err != nil {
+					errs <- err
+				}
+			})
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatalf("round %d: Notify: %v", round, err)
+		}
+		a.Close()
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) != 5*n {
+		t.Fatalf("%d of %d notifications arrived", len(seen), 5*n)
+	}
 }
 
 func testNotifyProbe(t *testing.T, nt func() []transfer.Transport) {
