@@ -83,10 +83,13 @@ type Engine struct {
 	closed   bool
 	chosen   sync.Map // transport choices already logged
 
-	wg     sync.WaitGroup
-	done   chan struct{}
-	ctx    context.Context // canceled by Close
-	cancel context.CancelFunc
+	wg   sync.WaitGroup
+	done chan struct{}
+	// stopped is closed once Close has closed every transport: nothing
+	// touches registered memory after that.
+	stopped chan struct{}
+	ctx     context.Context // canceled by Close
+	cancel  context.CancelFunc
 }
 
 // SegmentID names an opened segment in requests.
@@ -133,6 +136,7 @@ func New(ctx context.Context, cfg Config) (*Engine, error) {
 		handlers: map[string]func(net.Conn, Hello){},
 		ctl:      map[string]*ctlConn{},
 		done:     make(chan struct{}),
+		stopped:  make(chan struct{}),
 	}
 	e.ctx, e.cancel = context.WithCancel(context.Background())
 	e.handlers["ctl"] = e.serveCtl
@@ -340,6 +344,7 @@ func (e *Engine) Close() error {
 	}
 	e.closeTransports()
 	e.wg.Wait()
+	close(e.stopped)
 	e.lg.Info("engine closed", zap.String("segment", e.cfg.Name))
 	return err
 }

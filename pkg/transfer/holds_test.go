@@ -184,3 +184,20 @@ func TestFreeHostInUse(t *testing.T) {
 	m.Bytes()[0] = 1 // still mapped
 	r.Release()
 }
+
+// TestUnregisterAfterClose: once the engine is closed no transport touches
+// memory, so a hold left behind does not delay the unregister.
+func TestUnregisterAfterClose(t *testing.T) {
+	e, _, base := newHoldEngine(t, 5*time.Second)
+	if _, err := e.HoldLocal(uint64(base), 64, AccessRead); err != nil {
+		t.Fatal(err)
+	}
+	e.Close()
+	start := time.Now()
+	if err := mustWait(t, unregisterAsync(context.Background(), e, base), 2*time.Second); err != nil {
+		t.Fatalf("unregister after Close: %v", err)
+	}
+	if el := time.Since(start); el > time.Second {
+		t.Fatalf("unregister after Close took %v", el)
+	}
+}

@@ -164,7 +164,7 @@ func (e *Engine) UnregisterMemory(ctx context.Context, addr uintptr) error {
 	// No new transfer can reach the region now; wait for those that do
 	// (every batch ends within the engine's Timeout, and a timed-out one
 	// lets its memory go one Timeout later).
-	if err := r.drain(ctx, 2*e.cfg.Timeout+time.Second); err != nil {
+	if err := r.drain(ctx, 2*e.cfg.Timeout+time.Second, e.stopped); err != nil {
 		e.publish(ctx)
 		return &OpError{Op: "unregister", Err: err}
 	}

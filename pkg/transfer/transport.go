@@ -93,9 +93,10 @@ func (r *Region) Release() {
 	r.drainMu.Unlock()
 }
 
-// drain waits until no hold is left, at most for bound or until ctx ends.
-// No hold can be taken once the region has left the table.
-func (r *Region) drain(ctx context.Context, bound time.Duration) error {
+// drain waits until no hold is left (or stopped is closed: the transports
+// are gone), at most for bound or until ctx ends. No hold can be taken once
+// the region has left the table.
+func (r *Region) drain(ctx context.Context, bound time.Duration, stopped <-chan struct{}) error {
 	r.drainMu.Lock()
 	if r.drained == nil {
 		r.drained = make(chan struct{})
@@ -111,6 +112,8 @@ func (r *Region) drain(ctx context.Context, bound time.Duration) error {
 	defer t.Stop()
 	select {
 	case <-ch:
+		return nil
+	case <-stopped:
 		return nil
 	case <-t.C:
 	case <-ctx.Done():
