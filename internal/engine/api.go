@@ -27,9 +27,12 @@ type SamplingParams struct {
 	Seed             *int64  // nil: from the engine's seed source
 	FrequencyPenalty float64
 	PresencePenalty  float64
-	Stop             []string // stop strings; the matched string is not part of the output text
-	StopTokenIDs     []int
-	IgnoreEOS        bool
+	// RepetitionPenalty scales the logits of tokens already in the prompt
+	// or the output (0 or 1: off; > 1 discourages repeats).
+	RepetitionPenalty float64
+	Stop              []string // stop strings; the matched string is not part of the output text
+	StopTokenIDs      []int
+	IgnoreEOS         bool
 }
 
 // Request is one generation request.

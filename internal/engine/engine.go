@@ -210,6 +210,7 @@ func (e *Engine) Submit(ctx context.Context, r *Request) (<-chan Event, error) {
 			seed = uint64(*p)
 		}
 		s.sampler = sampling.New(samplingParams(r.Params), seed)
+		s.sampler.SetPrompt(s.prompt)
 		e.queue = append(e.queue, s)
 	}
 	e.mu.Unlock()
@@ -411,12 +412,13 @@ func (e *Engine) pagesFor(tokens int) int { return (tokens + e.pageSize - 1) / e
 
 func samplingParams(p SamplingParams) sampling.Params {
 	return sampling.Params{
-		Temperature:      p.Temperature,
-		TopP:             p.TopP,
-		TopK:             p.TopK,
-		MinP:             p.MinP,
-		FrequencyPenalty: p.FrequencyPenalty,
-		PresencePenalty:  p.PresencePenalty,
+		Temperature:       p.Temperature,
+		TopP:              p.TopP,
+		TopK:              p.TopK,
+		MinP:              p.MinP,
+		FrequencyPenalty:  p.FrequencyPenalty,
+		PresencePenalty:   p.PresencePenalty,
+		RepetitionPenalty: p.RepetitionPenalty,
 	}
 }
 

@@ -665,3 +665,48 @@ func TestForwardPanic(t *testing.T) {
 	}
 	waitFor(t, "pages to return", func() bool { return te.pages.Free() == 64 })
 }
+
+// TestRepetitionPenaltyCoversPrompt: the repetition penalty reaches the
+// prompt's tokens from the first sampled token on (the engine hands the
+// prompt to the sampler), so a prompt token that would win greedily loses.
+func TestRepetitionPenaltyCoversPrompt(t *testing.T) {
+	// A prompt whose own next-token argmax is one of its tokens.
+	var prompt []int32
+	logits := make([]float32, fakeVocab)
+search:
+	for a := 0; a < 256; a++ {
+		for b := 0; b < 256; b++ {
+			p := []int32{fakeBOS, int32(a), int32(b)}
+			fakeLogits(p, nil, logits)
+			if top := sampling.Argmax(logits); top == a || top == b {
+				prompt = p
+				break search
+			}
+		}
+	}
+	if prompt == nil {
+		t.Fatal("no prompt whose argmax is one of its tokens")
+	}
+	fakeLogits(prompt, nil, logits)
+	plain := sampling.Argmax(logits)
+	ref := sampling.New(sampling.Params{RepetitionPenalty: 2}, 0)
+	ref.SetPrompt(prompt)
+	want := ref.Sample(logits)
+	if want == plain {
+		t.Fatalf("the reference sampler did not move off the prompt token %d", plain)
+	}
+	te := startEngine(t, 64, 4, nil)
+	in := make([]int, len(prompt))
+	for i, v := range prompt {
+		in[i] = int(v)
+	}
+	for _, c := range []struct {
+		penalty float64
+		want    int
+	}{{0, plain}, {2, want}} {
+		r := te.generate(t, &Request{InputIDs: in, Params: SamplingParams{MaxNewTokens: 1, IgnoreEOS: true, RepetitionPenalty: c.penalty}})
+		if len(r.tokens) != 1 || r.tokens[0] != c.want {
+			t.Fatalf("repetition_penalty %v: first token %v, want %d", c.penalty, r.tokens, c.want)
+		}
+	}
+}

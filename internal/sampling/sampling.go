@@ -1,8 +1,10 @@
 // Package sampling picks the next token from a row of host float32 logits:
-// greedy argmax, temperature, top-k, top-p (nucleus), min-p, and OpenAI-style
-// frequency and presence penalties over the tokens generated so far.
+// greedy argmax, temperature, top-k, top-p (nucleus), min-p, OpenAI-style
+// frequency and presence penalties over the tokens generated so far, and a
+// repetition penalty over the prompt and the tokens generated so far.
 //
-// Order of operations (SGLang's): penalties on the logits, then temperature,
+// Order of operations (SGLang's): penalties on the logits (repetition first,
+// then frequency and presence), then temperature,
 // softmax over the whole vocabulary, then top-k, top-p and min-p filters
 // (top-p and min-p measured against the unfiltered distribution), then one
 // draw from what is left, renormalised.
@@ -36,6 +38,10 @@ type Params struct {
 	MinP             float64 // 0: off
 	FrequencyPenalty float64 // subtracted once per earlier occurrence of a token
 	PresencePenalty  float64 // subtracted once if a token occurred at all
+	// RepetitionPenalty divides the positive logits and multiplies the
+	// negative ones of every token in the prompt or the output so far
+	// (0 or 1: off; > 1 discourages repeats).
+	RepetitionPenalty float64
 }
 
 // Validate reports parameters outside their ranges, naming the value.
@@ -53,6 +59,8 @@ func (p Params) Validate() error {
 		return fmt.Errorf("%w: frequency_penalty %v must be in [-2, 2]", ErrBadParams, p.FrequencyPenalty)
 	case math.IsNaN(p.PresencePenalty) || p.PresencePenalty < -2 || p.PresencePenalty > 2:
 		return fmt.Errorf("%w: presence_penalty %v must be in [-2, 2]", ErrBadParams, p.PresencePenalty)
+	case math.IsNaN(p.RepetitionPenalty) || p.RepetitionPenalty < 0 || p.RepetitionPenalty > 2:
+		return fmt.Errorf("%w: repetition_penalty %v must be in (0, 2]", ErrBadParams, p.RepetitionPenalty)
 	}
 	return nil
 }
@@ -62,11 +70,14 @@ func (p Params) Greedy() bool { return p.Temperature == 0 || p.TopK == 1 }
 
 func (p Params) penalised() bool { return p.FrequencyPenalty != 0 || p.PresencePenalty != 0 }
 
+func (p Params) repeats() bool { return p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1 }
+
 // Sampler samples one request's tokens. It is not safe for concurrent use.
 type Sampler struct {
 	p      Params
 	rng    *rand.Rand
 	counts map[int]int // occurrences of each accepted (output) token
+	prompt map[int]bool // the prompt's tokens, for the repetition penalty
 
 	work  []float32 // penalised logits
 	probs []float64 // unnormalised probabilities
@@ -82,6 +93,18 @@ func New(p Params, seed uint64) *Sampler {
 	}
 }
 
+// SetPrompt records the prompt's tokens for the repetition penalty (a no-op
+// when it is off).
+func (s *Sampler) SetPrompt(ids []int32) {
+	if !s.p.repeats() {
+		return
+	}
+	s.prompt = make(map[int]bool, len(ids))
+	for _, id := range ids {
+		s.prompt[int(id)] = true
+	}
+}
+
 // Accept records an output token for the penalties.
 func (s *Sampler) Accept(tok int) { s.counts[tok]++ }
 
@@ -93,14 +116,37 @@ func (s *Sampler) Skip() { s.rng.Float64() }
 func (s *Sampler) Sample(logits []float32) int {
 	u := s.rng.Float64() // exactly one draw per call, greedy or not
 	l := logits
-	if s.p.penalised() && len(s.counts) > 0 {
+	rep := s.p.repeats() && len(s.prompt)+len(s.counts) > 0
+	if rep || (s.p.penalised() && len(s.counts) > 0) {
 		s.work = append(s.work[:0], logits...)
-		for tok, n := range s.counts {
-			if tok >= 0 && tok < len(s.work) {
-				s.work[tok] -= float32(s.p.FrequencyPenalty*float64(n) + s.p.PresencePenalty)
+		l = s.work
+	}
+	if rep {
+		r := float32(s.p.RepetitionPenalty)
+		repeat := func(tok int) {
+			if tok >= 0 && tok < len(l) {
+				if l[tok] > 0 {
+					l[tok] /= r
+				} else {
+					l[tok] *= r
+				}
 			}
 		}
-		l = s.work
+		for tok := range s.prompt {
+			repeat(tok)
+		}
+		for tok := range s.counts {
+			if !s.prompt[tok] { // once per token, seen in the prompt or not
+				repeat(tok)
+			}
+		}
+	}
+	if s.p.penalised() && len(s.counts) > 0 {
+		for tok, n := range s.counts {
+			if tok >= 0 && tok < len(l) {
+				l[tok] -= float32(s.p.FrequencyPenalty*float64(n) + s.p.PresencePenalty)
+			}
+		}
 	}
 	if s.p.Greedy() {
 		return Argmax(l)

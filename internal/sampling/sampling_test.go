@@ -4,6 +4,7 @@ import (
 	"errors"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"sort"
 	"testing"
 )
@@ -50,6 +51,10 @@ func TestValidate(t *testing.T) {
 		{"min_p negative", Params{MinP: -0.1}, false},
 		{"frequency penalty 3", Params{FrequencyPenalty: 3}, false},
 		{"presence penalty -3", Params{PresencePenalty: -3}, false},
+		{"repetition penalty 1.3", Params{RepetitionPenalty: 1.3}, true},
+		{"repetition penalty 2.5", Params{RepetitionPenalty: 2.5}, false},
+		{"repetition penalty negative", Params{RepetitionPenalty: -1}, false},
+		{"repetition penalty nan", Params{RepetitionPenalty: math.NaN()}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := tc.p.Validate()
@@ -166,6 +171,48 @@ func TestPenalties(t *testing.T) {
 				t.Fatalf("got %d, want %d", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestRepetitionPenalty: tokens of the prompt or the output have positive
+// logits divided and negative ones multiplied by the penalty, once each.
+func TestRepetitionPenalty(t *testing.T) {
+	l := []float32{2, 1.8, -1, -1.2, 0.5}
+	for _, tc := range []struct {
+		name     string
+		p        float64
+		prompt   []int32
+		accepted []int
+		want     int
+	}{
+		{"off", 1, []int32{0}, nil, 0},
+		{"prompt token", 1.2, []int32{0}, nil, 1},             // 2/1.2 = 1.67 < 1.8
+		{"output token", 1.2, nil, []int{0, 0, 0}, 1},         // once, however often
+		{"both, counted once", 1.05, []int32{0}, []int{0}, 0}, // 2/1.05 = 1.90 > 1.8 (1.81 if applied twice)
+		{"below 1 favours repeats", 0.8, []int32{1}, nil, 1},  // 1.8/0.8 = 2.25 > 2
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := New(Params{RepetitionPenalty: tc.p}, 0)
+			s.SetPrompt(tc.prompt)
+			for _, a := range tc.accepted {
+				s.Accept(a)
+			}
+			if got := s.Sample(l); got != tc.want {
+				t.Fatalf("got %d, want %d", got, tc.want)
+			}
+		})
+	}
+	// The exact values, read back from the sampler's work row: positive
+	// logits divided, negative ones multiplied, others untouched.
+	s := New(Params{RepetitionPenalty: 2}, 0)
+	s.SetPrompt([]int32{0, 1})
+	row := []float32{3, -3, 1}
+	s.Sample(row)
+	if want := []float32{1.5, -6, 1}; !slices.Equal(s.work, want) {
+		t.Fatalf("penalised row %v, want %v", s.work, want)
+	}
+	if row[0] != 3 || row[1] != -3 {
+		t.Fatal("Sample modified the caller's logits")
 	}
 }
 

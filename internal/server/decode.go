@@ -245,8 +245,11 @@ func (p *sampling) params(vocab int) (sp engine.SamplingParams, maxZero bool, e 
 		}
 		sp.PresencePenalty = *v
 	}
-	if v := p.RepetitionPenalty; v != nil && *v != 1 {
-		return sp, false, badRequest(f("repetition_penalty"), "%s is not supported (only 1)", f("repetition_penalty"))
+	if v := p.RepetitionPenalty; v != nil {
+		if *v <= 0 || *v > 2 {
+			return sp, false, badRequest(f("repetition_penalty"), "%s must be in (0, 2], got %g", f("repetition_penalty"), *v)
+		}
+		sp.RepetitionPenalty = *v
 	}
 	for _, id := range p.StopTokenIDs {
 		if id < 0 || (vocab > 0 && id >= vocab) {

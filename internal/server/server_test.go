@@ -172,6 +172,9 @@ func TestBadInput(t *testing.T) {
 		{"generate/top-k", "POST", "/generate", `{"text": "a", "sampling_params": {"top_k": -2}}`, 400, "top_k"},
 		{"generate/min-p", "POST", "/generate", `{"text": "a", "sampling_params": {"min_p": 2}}`, 400, "min_p"},
 		{"generate/penalty", "POST", "/generate", `{"text": "a", "sampling_params": {"frequency_penalty": 3}}`, 400, "frequency_penalty"},
+		{"generate/repetition-zero", "POST", "/generate", `{"text": "a", "sampling_params": {"repetition_penalty": 0}}`, 400, "repetition_penalty"},
+		{"generate/repetition-big", "POST", "/generate", `{"text": "a", "sampling_params": {"repetition_penalty": 2.5}}`, 400, "repetition_penalty"},
+		{"completions/repetition", "POST", "/v1/completions", `{"prompt": "a", "repetition_penalty": -1}`, 400, "repetition_penalty"},
 		{"completions/n", "POST", "/v1/completions", `{"prompt": "a", "n": 2}`, 400, "n=2"},
 		{"chat/n", "POST", "/v1/chat/completions", `{"messages": [{"role": "user", "content": "a"}], "n": 3}`, 400, "n=3"},
 		{"generate/n", "POST", "/generate", `{"text": "a", "sampling_params": {"n": 2}}`, 400, "n=2"},
@@ -275,7 +278,8 @@ func TestGenerate(t *testing.T) {
 	ts, _ := newServer(t, server.Config{Generator: gen})
 	status, body := post(t, ts.URL+"/generate", `{"text": "Hi", "rid": "r1", "return_logprob": true,
 		"sampling_params": {"max_new_tokens": 5, "temperature": 0, "top_p": 0.9, "top_k": 4, "min_p": 0.1, "stop": "x",
-		"stop_token_ids": [7], "ignore_eos": true, "seed": 42, "frequency_penalty": 0.5, "presence_penalty": -0.5}}`)
+		"stop_token_ids": [7], "ignore_eos": true, "seed": 42, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+		"repetition_penalty": 1.3}}`)
 	if status != 200 {
 		t.Fatalf("status %d: %s", status, body)
 	}
@@ -299,10 +303,10 @@ func TestGenerate(t *testing.T) {
 	req := gen.Requests()[0]
 	seed := int64(42)
 	want := engine.SamplingParams{MaxNewTokens: 5, TopP: 0.9, TopK: 4, MinP: 0.1, Seed: &seed, FrequencyPenalty: 0.5,
-		PresencePenalty: -0.5, Stop: []string{"x"}, StopTokenIDs: []int{7}, IgnoreEOS: true}
+		PresencePenalty: -0.5, RepetitionPenalty: 1.3, Stop: []string{"x"}, StopTokenIDs: []int{7}, IgnoreEOS: true}
 	if got := req.Params; fmt.Sprint(got.MaxNewTokens, got.TopP, got.TopK, got.MinP, *got.Seed, got.FrequencyPenalty,
-		got.PresencePenalty, got.Stop, got.StopTokenIDs, got.IgnoreEOS) != fmt.Sprint(want.MaxNewTokens, want.TopP, want.TopK,
-		want.MinP, *want.Seed, want.FrequencyPenalty, want.PresencePenalty, want.Stop, want.StopTokenIDs, want.IgnoreEOS) {
+		got.PresencePenalty, got.RepetitionPenalty, got.Stop, got.StopTokenIDs, got.IgnoreEOS) != fmt.Sprint(want.MaxNewTokens, want.TopP, want.TopK,
+		want.MinP, *want.Seed, want.FrequencyPenalty, want.PresencePenalty, want.RepetitionPenalty, want.Stop, want.StopTokenIDs, want.IgnoreEOS) {
 		t.Fatalf("params %+v", got)
 	}
 	if fmt.Sprint(req.InputIDs) != fmt.Sprint([]int{servertest.BOS, 'H', 'i'}) || req.ID != "r1" || !req.Logprobs {

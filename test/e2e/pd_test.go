@@ -71,6 +71,9 @@ func workloads(refs []refCase, n int) []workload {
 		if i%5 == 0 {
 			sp["ignore_eos"] = true
 		}
+		if i%7 == 0 { // over the prompt and the output: prefill and decode must both apply it
+			sp["repetition_penalty"] = 1.3
+		}
 		body := map[string]any{"text": strings.Join(ws, " "), "sampling_params": sp}
 		if i%3 == 0 {
 			body["stream"] = true
@@ -161,6 +164,21 @@ func TestDisaggMatchesColocated(t *testing.T) {
 		if w.ref != nil && !slices.Equal(want[i], w.ref) {
 			t.Errorf("colocated output of %q differs from llama2.c's:\n got %v\nwant %v", w.body["text"], want[i], w.ref)
 		}
+	}
+	// The repetition penalty changes what the model says.
+	plain := map[string]any{"text": "Once upon a time", "sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 48, "ignore_eos": true}}
+	penal := map[string]any{"text": "Once upon a time", "sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 48, "ignore_eos": true,
+		"repetition_penalty": 1.5}}
+	rp, err := generate(context.Background(), colo.url, plain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rq, err := generate(context.Background(), colo.url, penal)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rp.Status != 200 || rq.Status != 200 || slices.Equal(rp.IDs, rq.IDs) {
+		t.Fatalf("repetition_penalty 1.5 gave the same 48 tokens as none (status %d/%d): %v", rp.Status, rq.Status, rq.IDs)
 	}
 	colo.kill()
 
