@@ -76,7 +76,7 @@ func (p Params) repeats() bool { return p.RepetitionPenalty != 0 && p.Repetition
 type Sampler struct {
 	p      Params
 	rng    *rand.Rand
-	counts map[int]int // occurrences of each accepted (output) token
+	counts map[int]int  // occurrences of each accepted (output) token
 	prompt map[int]bool // the prompt's tokens, for the repetition penalty
 
 	work  []float32 // penalised logits
