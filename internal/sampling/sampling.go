@@ -321,3 +321,56 @@ func Logprob(logits []float32, id int) float32 {
 	}
 	return float32(float64(logits[id]-mx) - math.Log(sum))
 }
+
+// MaxTopLogprobs bounds TopLogprobs' n (OpenAI's limit).
+const MaxTopLogprobs = 20
+
+// TopLogprob is one of a position's most likely tokens.
+type TopLogprob struct {
+	Token   int
+	Logprob float32
+}
+
+// TopLogprobs returns the n most likely tokens under log softmax(logits) at
+// temperature 1 (the distribution Logprob uses, before penalties and
+// filters), most likely first, ties to the lower id. The logprobs equal
+// Logprob's for the same ids.
+func TopLogprobs(logits []float32, n int) []TopLogprob {
+	n = min(n, len(logits))
+	if n <= 0 {
+		return nil
+	}
+	mx := float32(math.Inf(-1))
+	for _, x := range logits {
+		mx = max(mx, x)
+	}
+	var sum float64
+	for _, x := range logits {
+		sum += math.Exp(float64(x - mx))
+	}
+	lse := math.Log(sum)
+	// Keep the n best in a sorted slice: a logit enters only if it beats the
+	// weakest kept one, so most of the vocabulary costs one compare.
+	top := make([]TopLogprob, 0, n)
+	vals := make([]float32, 0, n)
+	for id, x := range logits {
+		if len(vals) == n && x <= vals[n-1] {
+			continue
+		}
+		i := len(vals)
+		for i > 0 && x > vals[i-1] {
+			i--
+		}
+		if len(vals) < n {
+			vals = append(vals, 0)
+			top = append(top, TopLogprob{})
+		}
+		copy(vals[i+1:], vals[i:len(vals)-1])
+		copy(top[i+1:], top[i:len(top)-1])
+		vals[i], top[i] = x, TopLogprob{Token: id}
+	}
+	for i := range top {
+		top[i].Logprob = float32(float64(vals[i]-mx) - lse)
+	}
+	return top
+}

@@ -1,6 +1,7 @@
 package sampling
 
 import (
+	"cmp"
 	"errors"
 	"math"
 	"math/rand/v2"
@@ -351,5 +352,33 @@ func BenchmarkSample(b *testing.B) {
 				s.Sample(l)
 			}
 		})
+	}
+}
+
+// TestTopLogprobs: the n most likely tokens, in order, ties to the lower id,
+// with Logprob's values; against a full sort.
+func TestTopLogprobs(t *testing.T) {
+	rng := rand.New(rand.NewPCG(11, 12))
+	for trial := 0; trial < 200; trial++ {
+		l := make([]float32, 1+rng.IntN(500))
+		for i := range l {
+			l[i] = float32(rng.IntN(40)) / 4 // many ties
+		}
+		n := rng.IntN(MaxTopLogprobs + 3)
+		got := TopLogprobs(l, n)
+		ids := make([]int, len(l))
+		for i := range ids {
+			ids[i] = i
+		}
+		slices.SortStableFunc(ids, func(a, b int) int { return cmp.Compare(l[b], l[a]) })
+		want := min(n, len(l))
+		if len(got) != want {
+			t.Fatalf("trial %d: %d entries, want %d", trial, len(got), want)
+		}
+		for i, g := range got {
+			if g.Token != ids[i] || g.Logprob != Logprob(l, ids[i]) {
+				t.Fatalf("trial %d: entry %d = %+v, want token %d logprob %v", trial, i, g, ids[i], Logprob(l, ids[i]))
+			}
+		}
 	}
 }
