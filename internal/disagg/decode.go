@@ -60,6 +60,7 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	if cfg.Transfer == nil || cfg.Pages == nil {
 		return nil, errors.New("disagg: decode needs a transfer engine and a page allocator")
 	}
+	cfg.Info.AuxBytes = AuxSize
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 10 * time.Second
 	}
@@ -222,7 +223,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 				releaseAll()
 				return fmt.Errorf("prefill %s failed the room: %s", boot, res.Error)
 			}
-			r, tok, lp := decodeAux(d.aux.slot(slot))
+			r, tok, lp, top := decodeAux(d.aux.slot(slot))
 			if r != room {
 				releaseAll()
 				return fmt.Errorf("aux slot holds room %d, want %d: first token missing", r, room)
@@ -230,7 +231,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			cleanup()
 			setState(Success)
 			d.m.wait.Observe(time.Since(waitStart).Seconds())
-			req.Preloaded = &engine.Preloaded{Pages: pages, FirstToken: tok, FirstLogprob: lp}
+			req.Preloaded = &engine.Preloaded{Pages: pages, FirstToken: tok, FirstLogprob: lp, FirstTop: top}
 			lg.Debug("kv in place", zap.Int("pages", len(pages)), zap.Int64("bytes", res.Bytes),
 				zap.Float64("transfer_seconds", res.TransferSeconds), zap.Duration("wait", time.Since(waitStart)))
 			return nil

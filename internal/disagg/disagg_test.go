@@ -9,6 +9,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
 )
@@ -56,7 +58,7 @@ func newSide(t *testing.T, model string, lay kvcache.Layout, onNotify func(trans
 	}
 	s := &side{te: te, mem: mem, pool: pool, pages: kvcache.NewAllocator(lay.Pages),
 		info: Info{Model: model, Fingerprint: "test dim=32", DType: "float32", Layout: lay, Segment: te.Name(),
-			PoolAddr: mem.Addr(), Incarnation: te.Incarnation()}}
+			PoolAddr: mem.Addr(), Incarnation: te.Incarnation(), AuxBytes: AuxSize}}
 	t.Cleanup(func() {
 		te.FreeHost(context.Background(), mem)
 		te.Close()
@@ -132,7 +134,8 @@ type fakeEngine struct {
 	s        *side
 	pages    []int32
 	released chan struct{}
-	ended    atomic.Bool // done was called
+	ended    atomic.Bool           // done was called
+	top      []sampling.TopLogprob // the first token's top logprobs
 }
 
 func (s *side) startPrefill(t *testing.T, hook engine.PrefillHook, prompt int) *fakeEngine {
@@ -166,7 +169,7 @@ func (f *fakeEngine) chunk(hook engine.PrefillHook, from, done int) {
 func (f *fakeEngine) done(hook engine.PrefillHook, first int, lp float32, err error) {
 	f.ended.Store(true)
 	var once sync.Once
-	hook.Done(first, lp, err, func() {
+	hook.Done(first, lp, f.top, err, func() {
 		once.Do(func() {
 			if rerr := f.s.pages.Release(f.pages); rerr != nil {
 				panic(rerr)
@@ -292,6 +295,7 @@ func TestRoomSuccess(t *testing.T) {
 				dch = x.prepareDecode(context.Background(), dreq, x.p.Port(), room)
 			}
 			f := x.pre.startPrefill(t, preq.Prefill, tc.prompt)
+			f.top = []sampling.TopLogprob{{Token: 77, Logprob: -0.25}, {Token: 9, Logprob: -1.5}}
 			from := 0
 			for _, c := range tc.chunks {
 				f.chunk(preq.Prefill, from, c)
@@ -317,8 +321,8 @@ func TestRoomSuccess(t *testing.T) {
 				t.Fatalf("decode: %v", res.err)
 			}
 			pl := dreq.Preloaded
-			if pl == nil || pl.FirstToken != 77 || pl.FirstLogprob != -0.25 {
-				t.Fatalf("Preloaded = %+v, want first token 77, logprob -0.25", pl)
+			if pl == nil || pl.FirstToken != 77 || pl.FirstLogprob != -0.25 || !slices.Equal(pl.FirstTop, f.top) {
+				t.Fatalf("Preloaded = %+v, want first token 77, logprob -0.25, top %v", pl, f.top)
 			}
 			if len(pl.Pages) != len(f.pages) {
 				t.Fatalf("decode has %d pages, prefill %d", len(pl.Pages), len(f.pages))
@@ -686,7 +690,11 @@ func TestPrefillDies(t *testing.T) {
 		x := newPD(t, pdOpts{heartbeat: hb, decodeTimeout: 10 * time.Second})
 		fb := newFakeBootstrap(t, x.pre.info)
 		ch := x.prepareDecode(context.Background(), &engine.Request{InputIDs: make([]int, 9)}, fb.port(), 3)
-		<-fb.registered
+		select {
+		case <-fb.registered:
+		case <-time.After(3 * time.Second):
+			t.Fatal("decode did not register the room")
+		}
 		fb.mu.Lock()
 		fb.inc = "new-incarnation"
 		fb.mu.Unlock()
@@ -940,4 +948,28 @@ func TestPrefillClose(t *testing.T) {
 	if x.dec.pages.Free() != testLayout.Pages {
 		t.Fatalf("decode free pages %d, want %d", x.dec.pages.Free(), testLayout.Pages)
 	}
+}
+
+// TestAuxSlot: the first token, its logprob and up to MaxTopLogprobs top
+// logprobs fit one aux slot and come back as written; a peer with another
+// slot layout is refused at bootstrap.
+func TestAuxSlot(t *testing.T) {
+	b := make([]byte, AuxSize)
+	var top []sampling.TopLogprob
+	for i := range sampling.MaxTopLogprobs + 3 {
+		top = append(top, sampling.TopLogprob{Token: 1000 + i, Logprob: -float32(i) / 3})
+	}
+	for _, n := range []int{0, 1, sampling.MaxTopLogprobs, sampling.MaxTopLogprobs + 3} {
+		clear(b)
+		encodeAux(b, 1<<60+uint64(n), 42+n, -0.75, top[:n])
+		room, tok, lp, got := decodeAux(b)
+		want := top[:min(n, sampling.MaxTopLogprobs)]
+		if room != 1<<60+uint64(n) || tok != 42+n || lp != -0.75 || len(got) != len(want) || (len(want) > 0 && !slices.Equal(got, want)) {
+			t.Fatalf("%d tops: got room %d token %d logprob %v top %v", n, room, tok, lp, got)
+		}
+	}
+	a := Info{Model: "m", AuxBytes: AuxSize}
+	old := a
+	old.AuxBytes = 16
+	mustContain(t, a.Check(old), "aux slot layout mismatch", fmt.Sprint(AuxSize), "16")
 }

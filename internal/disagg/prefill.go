@@ -19,6 +19,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
 
@@ -71,6 +72,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	if cfg.Transfer == nil {
 		return nil, errors.New("disagg: prefill needs a transfer engine")
 	}
+	cfg.Info.AuxBytes = AuxSize
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 10 * time.Second
 	}
@@ -288,6 +290,7 @@ type proom struct {
 	done      bool
 	first     int
 	logprob   float32
+	top       []sampling.TopLogprob
 	release   func()
 	doneAt    time.Time // when the engine called Done
 	err       error     // first failure
@@ -367,12 +370,12 @@ func (r *proom) Chunk(tokensDone int) {
 	r.poke()
 }
 
-func (r *proom) Done(first int, logprob float32, err error, release func()) {
+func (r *proom) Done(first int, logprob float32, top []sampling.TopLogprob, err error, release func()) {
 	if r.lg.Core().Enabled(zap.DebugLevel) {
 		r.lg.Debug("prefill computed", zap.Int("first", first), zap.Error(err))
 	}
 	r.mu.Lock()
-	r.done, r.first, r.logprob, r.release, r.doneAt = true, first, logprob, release, time.Now()
+	r.done, r.first, r.logprob, r.top, r.release, r.doneAt = true, first, logprob, top, release, time.Now()
 	if err != nil && r.err == nil {
 		r.err = fmt.Errorf("prefill failed: %w", err)
 	}
@@ -490,7 +493,7 @@ func (r *proom) push() error {
 		}
 	}
 	dst, done, pages := r.dst, r.done, r.pages
-	first, lp := r.first, r.logprob
+	first, lp, top := r.first, r.logprob, r.top
 	sendAux := done && !r.auxSent
 	r.mu.Unlock()
 	if len(spans) == 0 && !sendAux {
@@ -556,7 +559,7 @@ func (r *proom) push() error {
 			return err
 		}
 		defer p.aux.put(slot)
-		encodeAux(p.aux.slot(slot), r.id, first, lp)
+		encodeAux(p.aux.slot(slot), r.id, first, lp, top)
 		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.aux.addr(slot)), Len: AuxSize,
 			Segment: seg, Remote: dst.AuxAddr})
 	}

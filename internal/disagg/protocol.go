@@ -24,6 +24,7 @@ import (
 	"math"
 
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // Errors a decode-side Prepare wraps, so a server can answer with a
@@ -60,6 +61,7 @@ type Info struct {
 	Segment     string         `json:"segment"` // transfer-engine segment name
 	PoolAddr    uint64         `json:"pool_addr"`
 	Incarnation string         `json:"incarnation"`
+	AuxBytes    int            `json:"aux_bytes"` // AuxSize of the peer's build: the aux slot layout
 }
 
 // Check refuses a peer whose model, dtype or KV layout differs, naming both
@@ -70,6 +72,9 @@ func (i Info) Check(peer Info) error {
 	}
 	if i.Fingerprint != peer.Fingerprint {
 		return fmt.Errorf("model architecture mismatch: %s here, %s on the peer", i.Fingerprint, peer.Fingerprint)
+	}
+	if i.AuxBytes != peer.AuxBytes {
+		return fmt.Errorf("aux slot layout mismatch: %d-byte slots here, %d on the peer (different versions)", i.AuxBytes, peer.AuxBytes)
 	}
 	if i.DType != peer.DType {
 		return fmt.Errorf("KV dtype mismatch: %s here, %s on the peer", i.DType, peer.DType)
@@ -102,16 +107,33 @@ type Result struct {
 // NotifyTopic is the transfer-engine notification topic of Results.
 const NotifyTopic = "mooncake.disagg.kv"
 
-// AuxSize is the size of one aux slot: room (8), first token (4), logprob (4).
-const AuxSize = 16
+// AuxSize is the size of one aux slot: room (8), first token (4), logprob
+// (4), the count of top logprobs (4), then up to sampling.MaxTopLogprobs
+// (token, logprob) pairs (8 each); padded to 192.
+const AuxSize = 192
 
-func encodeAux(b []byte, room uint64, token int, logprob float32) {
+const auxTop = 20 // offset of the first top pair
+
+func encodeAux(b []byte, room uint64, token int, logprob float32, top []sampling.TopLogprob) {
+	top = top[:min(len(top), sampling.MaxTopLogprobs)]
 	binary.LittleEndian.PutUint64(b[0:], room)
 	binary.LittleEndian.PutUint32(b[8:], uint32(int32(token)))
 	binary.LittleEndian.PutUint32(b[12:], math.Float32bits(logprob))
+	binary.LittleEndian.PutUint32(b[16:], uint32(len(top)))
+	for i, t := range top {
+		binary.LittleEndian.PutUint32(b[auxTop+8*i:], uint32(int32(t.Token)))
+		binary.LittleEndian.PutUint32(b[auxTop+8*i+4:], math.Float32bits(t.Logprob))
+	}
 }
 
-func decodeAux(b []byte) (room uint64, token int, logprob float32) {
-	return binary.LittleEndian.Uint64(b[0:]), int(int32(binary.LittleEndian.Uint32(b[8:]))),
-		math.Float32frombits(binary.LittleEndian.Uint32(b[12:]))
+func decodeAux(b []byte) (room uint64, token int, logprob float32, top []sampling.TopLogprob) {
+	room = binary.LittleEndian.Uint64(b[0:])
+	token = int(int32(binary.LittleEndian.Uint32(b[8:])))
+	logprob = math.Float32frombits(binary.LittleEndian.Uint32(b[12:]))
+	n := min(int(binary.LittleEndian.Uint32(b[16:])), sampling.MaxTopLogprobs)
+	for i := range n {
+		top = append(top, sampling.TopLogprob{Token: int(int32(binary.LittleEndian.Uint32(b[auxTop+8*i:]))),
+			Logprob: math.Float32frombits(binary.LittleEndian.Uint32(b[auxTop+8*i+4:]))})
+	}
+	return room, token, logprob, top
 }

@@ -6,6 +6,7 @@ package engine
 import (
 	"errors"
 	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // Sentinel errors; wrap with %w and classify with errors.Is.
@@ -41,6 +42,9 @@ type Request struct {
 	InputIDs []int
 	Params   SamplingParams
 	Logprobs bool // return the logprob of every output token
+	// TopLogprobs, when > 0, returns with every output token the most
+	// likely tokens at its position (at most sampling.MaxTopLogprobs).
+	TopLogprobs int
 
 	// Room is the bootstrap room of a disaggregated request (0 when colocated);
 	// it only labels logs here.
@@ -67,7 +71,7 @@ type PrefillHook interface {
 	// with err set if the request failed or was aborted. The pages stay
 	// allocated until release is called (exactly once), so the transfer can
 	// finish.
-	Done(first int, logprob float32, err error, release func())
+	Done(first int, logprob float32, top []sampling.TopLogprob, err error, release func())
 }
 
 // PrefillLayerHook is an optional PrefillHook method: with a backend that
@@ -94,6 +98,7 @@ type Preloaded struct {
 	Pages        []int32 // pages holding positions 0..len(InputIDs)-1; ownership passes to the engine
 	FirstToken   int
 	FirstLogprob float32
+	FirstTop     []sampling.TopLogprob // when the request asked for TopLogprobs
 }
 
 // Event is one step of a request's output. Text is the new text since the
@@ -103,6 +108,7 @@ type Preloaded struct {
 type Event struct {
 	Token   int
 	Logprob float32
+	Top     []sampling.TopLogprob // the most likely tokens here, when Request.TopLogprobs > 0
 	Text    string
 	Finish  *Finish // set on the last event
 }

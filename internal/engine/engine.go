@@ -333,6 +333,8 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 		return nil, bad("max_new_tokens %d is negative", p.MaxNewTokens)
 	case r.Prefill != nil && r.Preloaded != nil:
 		return nil, bad("both Prefill and Preloaded set")
+	case r.TopLogprobs < 0 || r.TopLogprobs > sampling.MaxTopLogprobs:
+		return nil, bad("top logprobs %d outside [0, %d]", r.TopLogprobs, sampling.MaxTopLogprobs)
 	}
 	if err := samplingParams(p).Validate(); err != nil {
 		return nil, fmt.Errorf("%w: request %s: %w", ErrBadRequest, r.ID, err)
@@ -390,7 +392,7 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 		}
 		s.pages = slices.Clone(pl.Pages)
 		s.needPages = max(0, need-len(pl.Pages))
-		s.req.Preloaded = &Preloaded{Pages: s.pages, FirstToken: pl.FirstToken, FirstLogprob: pl.FirstLogprob}
+		s.req.Preloaded = &Preloaded{Pages: s.pages, FirstToken: pl.FirstToken, FirstLogprob: pl.FirstLogprob, FirstTop: pl.FirstTop}
 	}
 	if len(p.StopTokenIDs) > 0 {
 		s.stopIDs = make(map[int]bool, len(p.StopTokenIDs))

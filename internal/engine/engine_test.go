@@ -710,3 +710,49 @@ search:
 		}
 	}
 }
+
+// TestTopLogprobs: with TopLogprobs each output token carries the most
+// likely tokens of its position (greedy: the chosen one first, with the
+// same logprob), for computed and for preloaded first tokens; out-of-range
+// counts are refused.
+func TestTopLogprobs(t *testing.T) {
+	te := startEngine(t, 64, 4, nil)
+	prompt := ids("top logprobs")
+	r := te.generate(t, &Request{InputIDs: prompt, Logprobs: true, TopLogprobs: 5,
+		Params: SamplingParams{MaxNewTokens: 6, IgnoreEOS: true}})
+	hist := i32(prompt)
+	logits := make([]float32, fakeVocab)
+	for i, tok := range r.tokens {
+		fakeLogits(hist, nil, logits)
+		want := sampling.TopLogprobs(logits, 5)
+		if !slices.Equal(r.tops[i], want) {
+			t.Fatalf("token %d: top %v, want %v", i, r.tops[i], want)
+		}
+		if r.tops[i][0].Token != tok || r.tops[i][0].Logprob != r.logprobs[i] {
+			t.Fatalf("token %d (%d, logprob %v): greedy choice is not the top entry %+v", i, tok, r.logprobs[i], r.tops[i][0])
+		}
+		hist = append(hist, int32(tok))
+	}
+	// Not asked: no list.
+	r = te.generate(t, &Request{InputIDs: prompt, Params: SamplingParams{MaxNewTokens: 2}})
+	if r.tops[0] != nil {
+		t.Fatalf("top logprobs not asked for: %v", r.tops[0])
+	}
+	// A preloaded first token keeps the prefill's list.
+	pages, err := te.pages.Alloc(te.pagesFor(len(prompt)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	te.fake.preload(pages, i32(prompt))
+	first := []sampling.TopLogprob{{Token: 'x', Logprob: -0.1}, {Token: 'y', Logprob: -2.5}}
+	r = te.generate(t, &Request{InputIDs: prompt, TopLogprobs: 2, Params: SamplingParams{MaxNewTokens: 2, IgnoreEOS: true},
+		Preloaded: &Preloaded{Pages: pages, FirstToken: 'x', FirstTop: first}})
+	if !slices.Equal(r.tops[0], first) || len(r.tops[1]) != 2 {
+		t.Fatalf("preloaded tops %v", r.tops)
+	}
+	for _, n := range []int{-1, sampling.MaxTopLogprobs + 1} {
+		if _, err := te.Submit(context.Background(), &Request{InputIDs: prompt, TopLogprobs: n}); !errors.Is(err, ErrBadRequest) {
+			t.Fatalf("TopLogprobs %d: %v", n, err)
+		}
+	}
+}

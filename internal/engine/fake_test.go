@@ -13,6 +13,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
@@ -216,6 +217,7 @@ func (te *testEngine) run(t testing.TB) {
 type result struct {
 	tokens   []int
 	logprobs []float32
+	tops     [][]sampling.TopLogprob
 	texts    []string
 	text     string
 	finish   *Finish
@@ -241,6 +243,7 @@ func collect(t testing.TB, ch <-chan Event) result {
 			if ev.Token >= 0 {
 				r.tokens = append(r.tokens, ev.Token)
 				r.logprobs = append(r.logprobs, ev.Logprob)
+				r.tops = append(r.tops, ev.Top)
 			}
 			r.texts = append(r.texts, ev.Text)
 			r.text += ev.Text

@@ -19,6 +19,7 @@ type recHook struct {
 	pages   []int32
 	chunks  []int
 	first   int
+	top     []sampling.TopLogprob
 	logprob float32
 	err     error
 	release func()
@@ -41,11 +42,11 @@ func (h *recHook) Chunk(n int) {
 	h.chunks = append(h.chunks, n)
 }
 
-func (h *recHook) Done(first int, lp float32, err error, release func()) {
+func (h *recHook) Done(first int, lp float32, top []sampling.TopLogprob, err error, release func()) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.calls = append(h.calls, "done")
-	h.first, h.logprob, h.err, h.release = first, lp, err, release
+	h.first, h.logprob, h.top, h.err, h.release = first, lp, top, err, release
 	close(h.done)
 }
 
@@ -177,10 +178,10 @@ func TestDisaggregatedMatchesColocated(t *testing.T) {
 			dec := startEngine(t, 32, 4, nil)
 			prompt := ids("disaggregate me")
 
-			want := colo.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true})
+			want := colo.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3})
 
 			h := newRecHook()
-			pr := pre.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, Prefill: h, Room: 77})
+			pr := pre.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3, Prefill: h, Room: 77})
 			h.wait(t)
 			if h.err != nil || pr.tokens[0] != want.tokens[0] {
 				t.Fatalf("prefill: first %d err %v, colocated first %d", h.first, h.err, want.tokens[0])
@@ -194,10 +195,15 @@ func TestDisaggregatedMatchesColocated(t *testing.T) {
 			dec.fake.preload(dpages, i32(prompt))
 			h.release()
 
-			got := dec.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, Room: 77,
-				Preloaded: &Preloaded{Pages: dpages, FirstToken: h.first, FirstLogprob: h.logprob}})
+			got := dec.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3, Room: 77,
+				Preloaded: &Preloaded{Pages: dpages, FirstToken: h.first, FirstLogprob: h.logprob, FirstTop: h.top}})
 			if !slices.Equal(got.tokens, want.tokens) || got.text != want.text || !slices.Equal(got.logprobs, want.logprobs) {
 				t.Fatalf("disaggregated %v %q %v\ncolocated %v %q %v", got.tokens, got.text, got.logprobs, want.tokens, want.text, want.logprobs)
+			}
+			for i := range want.tops {
+				if !slices.Equal(got.tops[i], want.tops[i]) || len(want.tops[i]) != 3 {
+					t.Fatalf("token %d: top logprobs %v, colocated %v", i, got.tops[i], want.tops[i])
+				}
 			}
 			if *got.finish != *want.finish {
 				t.Fatalf("finish %+v, colocated %+v", got.finish, want.finish)

@@ -149,7 +149,7 @@ func (e *Engine) start(s *seq) {
 		if s.req.Logprobs {
 			lp = pl.FirstLogprob
 		}
-		e.emit(s, pl.FirstToken, lp)
+		e.emit(s, pl.FirstToken, lp, pl.FirstTop)
 	default:
 		s.state = statePrefill
 	}
@@ -251,13 +251,13 @@ func (e *Engine) step(ctx context.Context) error {
 			s.state = stateDecode
 			s.pos = len(s.prompt)
 			s.next[0] = int32(tok)
-			e.emit(s, tok, e.logprob(s, logits, tok))
+			e.emit(s, tok, e.logprob(s, logits, tok), e.top(s, logits))
 			continue
 		}
 		s.pos++
 		tok := s.sampler.Sample(logits)
 		s.next[0] = int32(tok)
-		e.emit(s, tok, e.logprob(s, logits, tok))
+		e.emit(s, tok, e.logprob(s, logits, tok), e.top(s, logits))
 	}
 	e.compact()
 	return nil
@@ -288,9 +288,17 @@ func (e *Engine) logprob(s *seq, logits []float32, tok int) float32 {
 	return sampling.Logprob(logits, tok)
 }
 
+// top is the most likely tokens at this position, when the request asked.
+func (e *Engine) top(s *seq, logits []float32) []sampling.TopLogprob {
+	if s.req.TopLogprobs <= 0 {
+		return nil
+	}
+	return sampling.TopLogprobs(logits, s.req.TopLogprobs)
+}
+
 // emit hands one output token to s: text, stop conditions, timing. It
 // finishes s if the token ends it.
-func (e *Engine) emit(s *seq, tok int, lp float32) {
+func (e *Engine) emit(s *seq, tok int, lp float32, top []sampling.TopLogprob) {
 	now := time.Now()
 	if s.output == 0 {
 		e.m.ttft.Observe(now.Sub(s.submitted).Seconds())
@@ -301,7 +309,7 @@ func (e *Engine) emit(s *seq, tok int, lp float32) {
 	s.output++
 	s.sampler.Accept(tok)
 
-	ev := Event{Token: tok, Logprob: lp}
+	ev := Event{Token: tok, Logprob: lp, Top: top}
 	var f *Finish
 	if (e.eos[tok] && !s.req.Params.IgnoreEOS) || s.stopIDs[tok] {
 		// The stop token's own text is not output.
@@ -358,9 +366,9 @@ func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 		release := e.releaser(s.pages)
 		s.pages = nil
 		if f.Type == "abort" {
-			s.hook.Done(-1, 0, f.Err, release)
+			s.hook.Done(-1, 0, nil, f.Err, release)
 		} else {
-			s.hook.Done(ev.Token, ev.Logprob, nil, release)
+			s.hook.Done(ev.Token, ev.Logprob, ev.Top, nil, release)
 		}
 	} else if len(s.pages) > 0 {
 		if err := e.pages.Release(s.pages); err != nil {
