@@ -338,9 +338,13 @@ type spec struct {
 	prompt   prompt
 	sampling sampling
 	logprobs bool
-	stream   bool
-	rid      string
-	boot     *Bootstrap
+	// topLogprobs: how many most likely tokens to return with each output
+	// token (with logprobs; completions: logprobs, chat: top_logprobs,
+	// /generate: top_logprobs_num).
+	topLogprobs int
+	stream      bool
+	rid         string
+	boot        *Bootstrap
 }
 
 // build tokenizes and checks a spec and makes the engine request. maxZero
@@ -384,5 +388,9 @@ func (s *Server) build(sp *spec) (req *engine.Request, maxZero bool, e *Error) {
 			params.MaxNewTokens = room // finishes with "length" at the end of the context
 		}
 	}
-	return &engine.Request{ID: sp.rid, InputIDs: ids, Params: params, Logprobs: sp.logprobs}, maxZero, nil
+	er := &engine.Request{ID: sp.rid, InputIDs: ids, Params: params, Logprobs: sp.logprobs}
+	if sp.logprobs {
+		er.TopLogprobs = sp.topLogprobs
+	}
+	return er, maxZero, nil
 }

@@ -5,6 +5,7 @@ import (
 	"net/http"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	samp "github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // generateRequest is the body of SGLang's /generate.
@@ -14,6 +15,7 @@ type generateRequest struct {
 	SamplingParams *generateSampling `json:"sampling_params"`
 	Stream         bool              `json:"stream"`
 	ReturnLogprob  bool              `json:"return_logprob"`
+	TopLogprobsNum int               `json:"top_logprobs_num"`
 	RID            *string           `json:"rid"`
 	InputEmbeds    json.RawMessage   `json:"input_embeds"`
 	bootstrapFields
@@ -42,7 +44,10 @@ func decodeGenerate(body []byte) (*spec, *Error) {
 	case !hasText && !hasIDs:
 		return nil, badRequest("text", "either text or input_ids is required")
 	}
-	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob}
+	if g.TopLogprobsNum < 0 || g.TopLogprobsNum > samp.MaxTopLogprobs {
+		return nil, badRequest("top_logprobs_num", "top_logprobs_num must be in [0, %d], got %d", samp.MaxTopLogprobs, g.TopLogprobsNum)
+	}
+	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob, topLogprobs: g.TopLogprobsNum}
 	var e *Error
 	if hasText {
 		if jsonKind(g.Text) != "string" && !(jsonKind(g.Text) == "array" && firstElemKind(g.Text) == "string") {
@@ -91,6 +96,9 @@ type generateMeta struct {
 	CachedTokens        int      `json:"cached_tokens"`
 	E2ELatency          float64  `json:"e2e_latency"`
 	OutputTokenLogprobs [][3]any `json:"output_token_logprobs,omitempty"`
+	// OutputTopLogprobs: per output token, its position's most likely
+	// tokens as [logprob, token id, null] (with top_logprobs_num).
+	OutputTopLogprobs [][][3]any `json:"output_top_logprobs,omitempty"`
 }
 
 // sglangFinish is SGLang's finish_reason object.
@@ -131,6 +139,15 @@ func (rn *run) generateObject() generateResponse {
 		m.OutputTokenLogprobs = make([][3]any, len(rn.ids))
 		for i, id := range rn.ids {
 			m.OutputTokenLogprobs[i] = [3]any{rn.logprobs[i], id, nil}
+		}
+		if rn.req.TopLogprobs > 0 {
+			m.OutputTopLogprobs = make([][][3]any, len(rn.ids))
+			for i := range rn.ids {
+				m.OutputTopLogprobs[i] = make([][3]any, len(rn.tops[i]))
+				for j, tp := range rn.tops[i] {
+					m.OutputTopLogprobs[i][j] = [3]any{tp.Logprob, tp.Token, nil}
+				}
+			}
 		}
 	}
 	return generateResponse{Text: rn.text.String(), OutputIDs: ids, MetaInfo: m}

@@ -63,7 +63,6 @@ type openaiSpec struct {
 	spec
 	model        string
 	includeUsage bool
-	topLogprobs  int // completions: logprobs; chat: top_logprobs
 }
 
 func decodeCompletion(body []byte) (*openaiSpec, *Error) {
@@ -372,10 +371,22 @@ func (rn *run) completionLogprobs(from, to, offset, top int) *completionLogprob 
 		lp.TextOffset = append(lp.TextOffset, offset)
 		offset += len(t)
 		if top > 0 {
-			lp.TopLogprobs = append(lp.TopLogprobs, map[string]float32{t: rn.logprobs[i]})
+			m := map[string]float32{}
+			for _, tp := range rn.tops[i] {
+				// Tokens with the same text share an entry: the likeliest.
+				if tt := rn.s.tokenText(tp.Token); !hasKey(m, tt) {
+					m[tt] = tp.Logprob
+				}
+			}
+			lp.TopLogprobs = append(lp.TopLogprobs, m)
 		}
 	}
 	return lp
+}
+
+func hasKey(m map[string]float32, k string) bool {
+	_, ok := m[k]
+	return ok
 }
 
 func tokenBytes(t string) []int {
@@ -391,8 +402,9 @@ func (rn *run) chatLogprobs(from, to, top int) *chatLogprobs {
 	for i := from; i < to; i++ {
 		t := rn.s.tokenText(rn.ids[i])
 		c := chatTokenLogprob{Token: t, Logprob: rn.logprobs[i], Bytes: tokenBytes(t), TopLogprobs: []chatTopLogprob{}}
-		if top > 0 {
-			c.TopLogprobs = append(c.TopLogprobs, chatTopLogprob{Token: t, Logprob: rn.logprobs[i], Bytes: c.Bytes})
+		for _, tp := range rn.tops[i] {
+			tt := rn.s.tokenText(tp.Token)
+			c.TopLogprobs = append(c.TopLogprobs, chatTopLogprob{Token: tt, Logprob: tp.Logprob, Bytes: tokenBytes(tt)})
 		}
 		lp.Content = append(lp.Content, c)
 	}

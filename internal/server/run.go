@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	samp "github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // errNoFinish is the abort cause when a Generator closes a request's channel
@@ -32,6 +33,7 @@ type run struct {
 	text     strings.Builder
 	ids      []int
 	logprobs []float32
+	tops     [][]samp.TopLogprob
 	finish   *engine.Finish
 	status   int // logged
 	logged   bool
@@ -102,6 +104,7 @@ func (rn *run) next() (ev engine.Event, ok bool) {
 		}
 		rn.ids = append(rn.ids, ev.Token)
 		rn.logprobs = append(rn.logprobs, ev.Logprob)
+		rn.tops = append(rn.tops, ev.Top)
 	}
 	rn.text.WriteString(ev.Text)
 	if ev.Finish != nil {

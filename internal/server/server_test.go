@@ -633,3 +633,59 @@ func TestServeShutdown(t *testing.T) {
 		t.Fatal("still serving after shutdown")
 	}
 }
+
+// TestTopLogprobs: every API returns the asked number of most likely tokens
+// per output token, in the engine's order, with the engine's values.
+func TestTopLogprobs(t *testing.T) {
+	gen := &servertest.Generator{}
+	ts, _ := newServer(t, server.Config{Generator: gen})
+	// /generate: meta_info.output_top_logprobs, [logprob, id, null] each.
+	status, body := post(t, ts.URL+"/generate", `{"text": "Hi", "return_logprob": true, "top_logprobs_num": 3,
+		"sampling_params": {"max_new_tokens": 2}}`)
+	var g struct {
+		MetaInfo struct {
+			OutputTopLogprobs [][][3]any `json:"output_top_logprobs"`
+		} `json:"meta_info"`
+	}
+	if err := json.Unmarshal(body, &g); status != 200 || err != nil {
+		t.Fatalf("status %d %v: %s", status, err, body)
+	}
+	if tl := g.MetaInfo.OutputTopLogprobs; len(tl) != 2 || len(tl[0]) != 3 ||
+		fmt.Sprint(tl[0]) != fmt.Sprint([][3]any{{-0.5, float64('H'), nil}, {-1.0, float64('H' + 1), nil}, {-2.0, float64('H' + 2), nil}}) {
+		t.Fatalf("output_top_logprobs %v", g.MetaInfo.OutputTopLogprobs)
+	}
+	if r := gen.Requests(); r[len(r)-1].TopLogprobs != 3 {
+		t.Fatalf("engine request TopLogprobs %d", r[len(r)-1].TopLogprobs)
+	}
+	// Without return_logprob there is no list, and the engine is not asked.
+	post(t, ts.URL+"/generate", `{"text": "Hi", "top_logprobs_num": 3, "sampling_params": {"max_new_tokens": 1}}`)
+	if r := gen.Requests(); r[len(r)-1].TopLogprobs != 0 {
+		t.Fatalf("top logprobs asked for without return_logprob")
+	}
+	// Completions: logprobs N, a map of N token texts.
+	status, body = post(t, ts.URL+"/v1/completions", `{"prompt": "Hi", "max_tokens": 2, "logprobs": 3}`)
+	var c struct {
+		Choices []struct {
+			Logprobs struct {
+				TopLogprobs []map[string]float64 `json:"top_logprobs"`
+			} `json:"logprobs"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(body, &c); status != 200 || err != nil {
+		t.Fatalf("status %d %v: %s", status, err, body)
+	}
+	if tl := c.Choices[0].Logprobs.TopLogprobs; len(tl) != 2 || len(tl[0]) != 3 || tl[0]["H"] != -0.5 || tl[0]["I"] != -1 || tl[0]["J"] != -2 {
+		t.Fatalf("completion top_logprobs %v", c.Choices[0].Logprobs.TopLogprobs)
+	}
+	// Chat: top_logprobs N entries of {token, logprob, bytes}.
+	status, body = post(t, ts.URL+"/v1/chat/completions", `{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+		"logprobs": true, "top_logprobs": 4}`)
+	if status != 200 || !strings.Contains(string(body), `"top_logprobs":[{"token":"H","logprob":-0.5,"bytes":[72]},{"token":"I","logprob":-1,"bytes":[73]},{"token":"J","logprob":-2,"bytes":[74]},{"token":"K","logprob":-3,"bytes":[75]}]`) {
+		t.Fatalf("chat top_logprobs: %d %s", status, body)
+	}
+	// Out of range.
+	if status, body := post(t, ts.URL+"/generate", `{"text": "Hi", "return_logprob": true, "top_logprobs_num": 21}`); status != 400 ||
+		!strings.Contains(string(body), "top_logprobs_num") {
+		t.Fatalf("top_logprobs_num 21: %d %s", status, body)
+	}
+}

@@ -338,8 +338,10 @@ type result struct {
 	Text     string `json:"text"`
 	IDs      []int  `json:"output_ids"`
 	MetaInfo struct {
-		FinishReason map[string]any `json:"finish_reason"`
-		PromptTokens int            `json:"prompt_tokens"`
+		FinishReason        map[string]any `json:"finish_reason"`
+		PromptTokens        int            `json:"prompt_tokens"`
+		OutputTokenLogprobs [][3]any       `json:"output_token_logprobs"`
+		OutputTopLogprobs   [][][3]any     `json:"output_top_logprobs"`
 	} `json:"meta_info"`
 	Error *struct {
 		Message string `json:"message"`

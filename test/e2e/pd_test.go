@@ -165,6 +165,13 @@ func TestDisaggMatchesColocated(t *testing.T) {
 			t.Errorf("colocated output of %q differs from llama2.c's:\n got %v\nwant %v", w.body["text"], want[i], w.ref)
 		}
 	}
+	// Logprobs and top logprobs: the disaggregated runs must give the same.
+	lpBody := map[string]any{"text": "Once upon a time there was", "return_logprob": true, "top_logprobs_num": 5,
+		"sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 8, "ignore_eos": true}}
+	lpWant, err := generate(context.Background(), colo.url, lpBody)
+	if err != nil || lpWant.Status != 200 || len(lpWant.MetaInfo.OutputTopLogprobs) != 8 || len(lpWant.MetaInfo.OutputTopLogprobs[0]) != 5 {
+		t.Fatalf("colocated top logprobs: %v %+v", err, lpWant)
+	}
 	// The repetition penalty changes what the model says.
 	plain := map[string]any{"text": "Once upon a time", "sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 48, "ignore_eos": true}}
 	penal := map[string]any{"text": "Once upon a time", "sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 48, "ignore_eos": true,
@@ -202,6 +209,12 @@ func TestDisaggMatchesColocated(t *testing.T) {
 			pFree, dFree := p.freePages(t), d.freePages(t)
 			got := runAll(t, l.url, ws, 16)
 			compare(t, tc.name, ws, want, got)
+			lpGot, err := generate(context.Background(), l.url, lpBody)
+			if err != nil || fmt.Sprint(lpGot.MetaInfo.OutputTokenLogprobs) != fmt.Sprint(lpWant.MetaInfo.OutputTokenLogprobs) ||
+				fmt.Sprint(lpGot.MetaInfo.OutputTopLogprobs) != fmt.Sprint(lpWant.MetaInfo.OutputTopLogprobs) {
+				t.Fatalf("%s logprobs differ from colocated (%v):\n got %v %v\nwant %v %v", tc.name, err,
+					lpGot.MetaInfo.OutputTokenLogprobs, lpGot.MetaInfo.OutputTopLogprobs, lpWant.MetaInfo.OutputTokenLogprobs, lpWant.MetaInfo.OutputTopLogprobs)
+			}
 
 			openAIThroughLB(t, l)
 			pm, dm, lm := p.metrics(t), d.metrics(t), l.metrics(t)
@@ -223,7 +236,7 @@ func TestDisaggMatchesColocated(t *testing.T) {
 			if v := pm[`mooncake_transfer_bytes_total{op="write",transport="`+other+`"}`]; v != 0 {
 				t.Errorf("prefill moved %v bytes over %s, want only %s", v, other, tc.transport)
 			}
-			n := len(ws) + 4 // and the OpenAI requests
+			n := len(ws) + 5 // and the OpenAI requests and the logprob one
 			if v := lm[`mooncake_lb_requests_total{code="200"}`]; int(v) != n {
 				t.Errorf("LB counted %v requests with code 200, want %d", v, n)
 			}

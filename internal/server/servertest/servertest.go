@@ -11,6 +11,7 @@ import (
 	"sync"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // Token ids of Tokenizer beyond the 256 bytes.
@@ -148,6 +149,19 @@ func (g *Generator) Submit(ctx context.Context, r *engine.Request) (<-chan engin
 	return ch, nil
 }
 
+// top is the fake's most likely tokens when r asks: the chosen token at
+// -0.5, then the next token ids at -1, -2, ...
+func top(r *engine.Request, tok int) []sampling.TopLogprob {
+	if r.TopLogprobs <= 0 {
+		return nil
+	}
+	out := []sampling.TopLogprob{{Token: tok, Logprob: -0.5}}
+	for k := 1; k < r.TopLogprobs; k++ {
+		out = append(out, sampling.TopLogprob{Token: tok + k, Logprob: -float32(k)})
+	}
+	return out
+}
+
 func (g *Generator) reply(r *engine.Request) []engine.Event {
 	reply := g.Reply
 	if reply == "" {
@@ -160,12 +174,12 @@ func (g *Generator) reply(r *engine.Request) []engine.Event {
 	var events []engine.Event
 	for i := 0; ; i++ {
 		if i == len(reply) && !r.Params.IgnoreEOS {
-			events = append(events, engine.Event{Token: EOS, Logprob: -0.5,
+			events = append(events, engine.Event{Token: EOS, Logprob: -0.5, Top: top(r, EOS),
 				Finish: &engine.Finish{Type: "stop", Matched: EOS, PromptTokens: len(r.InputIDs), OutputTokens: i + 1}})
 			return events
 		}
 		c := reply[i%len(reply)]
-		ev := engine.Event{Token: int(c), Logprob: -0.5, Text: string([]byte{c})}
+		ev := engine.Event{Token: int(c), Logprob: -0.5, Top: top(r, int(c)), Text: string([]byte{c})}
 		if i+1 == max {
 			ev.Finish = &engine.Finish{Type: "length", PromptTokens: len(r.InputIDs), OutputTokens: i + 1}
 			return append(events, ev)
