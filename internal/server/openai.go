@@ -397,7 +397,7 @@ func tokenBytes(t string) []int {
 	return out
 }
 
-func (rn *run) chatLogprobs(from, to, top int) *chatLogprobs {
+func (rn *run) chatLogprobs(from, to int) *chatLogprobs {
 	lp := &chatLogprobs{Content: []chatTokenLogprob{}}
 	for i := from; i < to; i++ {
 		t := rn.s.tokenText(rn.ids[i])
@@ -522,7 +522,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 			if text != "" || (c.logprobs && len(rn.ids) > sent) {
 				ch := chatChoice{Delta: &chatDelta{Content: &text}}
 				if c.logprobs {
-					ch.Logprobs = rn.chatLogprobs(sent, len(rn.ids), c.topLogprobs)
+					ch.Logprobs = rn.chatLogprobs(sent, len(rn.ids))
 				}
 				sent, sentText = len(rn.ids), rn.text.Len()
 				out.event(chunk(ch))
@@ -550,7 +550,7 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 	ch := chatChoice{Message: &chatMessageOut{Role: "assistant", Content: rn.text.String()}}
 	ch.FinishReason, ch.MatchedStop = openaiFinish(rn.finish)
 	if c.logprobs {
-		ch.Logprobs = rn.chatLogprobs(0, len(rn.ids), c.topLogprobs)
+		ch.Logprobs = rn.chatLogprobs(0, len(rn.ids))
 	}
 	resp := chatResponse{ID: id, Object: "chat.completion", Created: created, Model: model, Choices: []chatChoice{ch}, Usage: rn.usage()}
 	writeJSON(w, http.StatusOK, resp)
