@@ -251,13 +251,15 @@ func (e *Engine) step(ctx context.Context) error {
 			s.state = stateDecode
 			s.pos = len(s.prompt)
 			s.next[0] = int32(tok)
-			e.emit(s, tok, e.logprob(s, logits, tok), e.top(s, logits))
+			lp, top := e.logprobs(s, logits, tok)
+			e.emit(s, tok, lp, top)
 			continue
 		}
 		s.pos++
 		tok := s.sampler.Sample(logits)
 		s.next[0] = int32(tok)
-		e.emit(s, tok, e.logprob(s, logits, tok), e.top(s, logits))
+		lp, top := e.logprobs(s, logits, tok)
+		e.emit(s, tok, lp, top)
 	}
 	e.compact()
 	return nil
@@ -275,25 +277,22 @@ func (e *Engine) forward(ctx context.Context) (err error) {
 	return e.model.Forward(ctx, e.batch, e.outs)
 }
 
-// logprob is the chosen token's log-probability under the model's raw
-// distribution: log-softmax of the logits at temperature 1, before penalties,
-// temperature and filters. Computed only when the request asked for it: it
-// costs an exp per vocabulary entry (1-2 ms at 128K), on the first token's
-// critical path. A prefill-only request sees the same flag as its decode
-// side, which uses the value only then.
-func (e *Engine) logprob(s *seq, logits []float32, tok int) float32 {
+// logprobs are the chosen token's log-probability and the position's most
+// likely tokens under the model's raw distribution: log-softmax of the
+// logits at temperature 1, before penalties, temperature and filters. Each
+// only when the request asked for it, both from one normalisation: it costs
+// an exp per vocabulary entry (1-2 ms at 128K), on the first token's
+// critical path. A prefill-only request sees the same flags as its decode
+// side, which uses the values only then.
+func (e *Engine) logprobs(s *seq, logits []float32, tok int) (float32, []sampling.TopLogprob) {
+	if !s.req.Logprobs && s.req.TopLogprobs <= 0 {
+		return 0, nil
+	}
+	lp, top := sampling.Logprobs(logits, tok, s.req.TopLogprobs)
 	if !s.req.Logprobs {
-		return 0
+		lp = 0
 	}
-	return sampling.Logprob(logits, tok)
-}
-
-// top is the most likely tokens at this position, when the request asked.
-func (e *Engine) top(s *seq, logits []float32) []sampling.TopLogprob {
-	if s.req.TopLogprobs <= 0 {
-		return nil
-	}
-	return sampling.TopLogprobs(logits, s.req.TopLogprobs)
+	return lp, top
 }
 
 // emit hands one output token to s: text, stop conditions, timing. It

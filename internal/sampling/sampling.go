@@ -308,8 +308,15 @@ func Argmax(l []float32) int {
 
 // Logprob is log softmax(logits)[id] at temperature 1, computed in float64.
 func Logprob(logits []float32, id int) float32 {
-	if id < 0 || id >= len(logits) {
-		return float32(math.Inf(-1))
+	lp, _ := Logprobs(logits, id, 0)
+	return lp
+}
+
+// Logprobs is Logprob(logits, id) and TopLogprobs(logits, n) with one
+// normalisation of the row (an exp per vocabulary entry) for both.
+func Logprobs(logits []float32, id, n int) (float32, []TopLogprob) {
+	if len(logits) == 0 {
+		return float32(math.Inf(-1)), nil
 	}
 	mx := float32(math.Inf(-1))
 	for _, x := range logits {
@@ -319,7 +326,17 @@ func Logprob(logits []float32, id int) float32 {
 	for _, x := range logits {
 		sum += math.Exp(float64(x - mx))
 	}
-	return float32(float64(logits[id]-mx) - math.Log(sum))
+	lse := math.Log(sum)
+	of := func(x float32) float32 { return float32(float64(x-mx) - lse) }
+	lp := float32(math.Inf(-1))
+	if id >= 0 && id < len(logits) {
+		lp = of(logits[id])
+	}
+	top := topIDs(logits, n)
+	for i := range top {
+		top[i].Logprob = of(logits[top[i].Token])
+	}
+	return lp, top
 }
 
 // MaxTopLogprobs bounds TopLogprobs' n (OpenAI's limit).
@@ -336,21 +353,18 @@ type TopLogprob struct {
 // filters), most likely first, ties to the lower id. The logprobs equal
 // Logprob's for the same ids.
 func TopLogprobs(logits []float32, n int) []TopLogprob {
+	_, top := Logprobs(logits, -1, n)
+	return top
+}
+
+// topIDs returns the ids of the n largest logits, largest first, ties to
+// the lower id (Logprob unset). A logit enters the kept, sorted n only if
+// it beats the weakest of them, so most of a vocabulary costs one compare.
+func topIDs(logits []float32, n int) []TopLogprob {
 	n = min(n, len(logits))
 	if n <= 0 {
 		return nil
 	}
-	mx := float32(math.Inf(-1))
-	for _, x := range logits {
-		mx = max(mx, x)
-	}
-	var sum float64
-	for _, x := range logits {
-		sum += math.Exp(float64(x - mx))
-	}
-	lse := math.Log(sum)
-	// Keep the n best in a sorted slice: a logit enters only if it beats the
-	// weakest kept one, so most of the vocabulary costs one compare.
 	top := make([]TopLogprob, 0, n)
 	vals := make([]float32, 0, n)
 	for id, x := range logits {
@@ -368,9 +382,6 @@ func TopLogprobs(logits []float32, n int) []TopLogprob {
 		copy(vals[i+1:], vals[i:len(vals)-1])
 		copy(top[i+1:], top[i:len(top)-1])
 		vals[i], top[i] = x, TopLogprob{Token: id}
-	}
-	for i := range top {
-		top[i].Logprob = float32(float64(vals[i]-mx) - lse)
 	}
 	return top
 }
