@@ -44,9 +44,13 @@ func TestPairsMergeRuns(t *testing.T) {
 	l := Layout{Layers: 2, PageSize: 4, KVHeads: 2, HeadDim: 8, ElemBytes: 4, Pages: 16}
 	d := l
 	d.Pages = 32
-	pairs, err := l.Pairs([]int32{1, 2, 3, 7}, d, []int32{10, 11, 20, 21})
-	if err != nil {
-		t.Fatal(err)
+	var pairs []Pair
+	for layer := range l.Layers {
+		p, err := l.LayerPairs(layer, []int32{1, 2, 3, 7}, d, []int32{10, 11, 20, 21})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pairs = append(pairs, p...)
 	}
 	// per layer and kind: [1,2]->[10,11], [3]->[20], [7]->[21]
 	if len(pairs) != 2*2*3 {
@@ -65,7 +69,10 @@ func TestPairsMergeRuns(t *testing.T) {
 	}
 	bad := d
 	bad.HeadDim = 16
-	if _, err := l.Pairs([]int32{1}, bad, []int32{1}); err == nil {
+	if _, err := l.LayerPairs(0, []int32{1}, bad, []int32{1}); err == nil {
 		t.Fatal("mismatched layouts accepted")
+	}
+	if _, err := l.LayerPairs(2, []int32{1}, d, []int32{1}); err == nil {
+		t.Fatal("layer 2 of 2 accepted")
 	}
 }

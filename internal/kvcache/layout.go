@@ -95,22 +95,9 @@ type Pair struct {
 	Len      int64
 }
 
-// Pairs maps src pages (in this layout) onto dst pages (in dstLayout, which
-// must match l except for Pages), page i to page i, for every layer, K and V.
-// Runs that are consecutive on both sides are merged into one copy.
-func (l Layout) Pairs(src []int32, dstLayout Layout, dst []int32) ([]Pair, error) {
-	var out []Pair
-	for layer := 0; layer < l.Layers; layer++ {
-		p, err := l.LayerPairs(layer, src, dstLayout, dst)
-		if err != nil {
-			return nil, err
-		}
-		out = append(out, p...)
-	}
-	return out, nil
-}
-
-// LayerPairs is Pairs for one layer.
+// LayerPairs maps src pages (in this layout) onto dst pages (in dstLayout,
+// which must match l except for Pages), page i to page i, for one layer, K
+// and V. Runs that are consecutive on both sides are merged into one copy.
 func (l Layout) LayerPairs(layer int, src []int32, dstLayout Layout, dst []int32) ([]Pair, error) {
 	if err := l.Compatible(dstLayout); err != nil {
 		return nil, err

@@ -374,7 +374,8 @@ func (rn *run) completionLogprobs(from, to, offset, top int) *completionLogprob 
 			m := map[string]float32{}
 			for _, tp := range rn.tops[i] {
 				// Tokens with the same text share an entry: the likeliest.
-				if tt := rn.s.tokenText(tp.Token); !hasKey(m, tt) {
+				tt := rn.s.tokenText(tp.Token)
+				if _, seen := m[tt]; !seen {
 					m[tt] = tp.Logprob
 				}
 			}
@@ -382,11 +383,6 @@ func (rn *run) completionLogprobs(from, to, offset, top int) *completionLogprob 
 		}
 	}
 	return lp
-}
-
-func hasKey(m map[string]float32, k string) bool {
-	_, ok := m[k]
-	return ok
 }
 
 func tokenBytes(t string) []int {

@@ -368,17 +368,14 @@ func (b *Batch) complete() {
 	b.mu.Unlock()
 	stop()
 	b.cancel()
-	// The local regions go when every transport has reported its tasks
-	// (Task.Done). Tasks the engine ended (timed out, canceled) may still
-	// have bytes on their way; if some transport never reports, the
-	// regions go one Timeout later, when every transport's own bounded
-	// waits have ended.
+	// The local regions went when every transport reported its tasks
+	// (finish). Tasks the engine ended (timed out, canceled) may still have
+	// bytes on their way; if some transport never reports, the regions go
+	// one Timeout later, when every transport's own bounded waits have ended.
 	b.mu.Lock()
 	expired := b.expired
 	b.mu.Unlock()
-	if !expired {
-		b.releaseHeld()
-	} else if len(b.held) > 0 && !b.released.Load() {
+	if expired && len(b.held) > 0 && !b.released.Load() {
 		time.AfterFunc(b.e.cfg.Timeout, b.releaseHeld)
 	}
 	el := time.Since(b.start).Seconds()

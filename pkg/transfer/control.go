@@ -173,12 +173,8 @@ func (e *Engine) ctlFor(ctx context.Context, s *segment) (*ctlConn, *Descriptor,
 	e.mu.RLock()
 	c := e.ctl[d.Name]
 	e.mu.RUnlock()
-	if c != nil && c.inc == d.Incarnation {
-		select {
-		case <-c.done:
-		default:
-			return c, d, nil
-		}
+	if c != nil && c.inc == d.Incarnation && c.alive() {
+		return c, d, nil
 	}
 	conn, nd, err := e.dialHandshake(ctx, d.Addr, "ctl", "")
 	if err != nil {

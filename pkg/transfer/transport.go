@@ -199,10 +199,8 @@ type Host interface {
 	// Handle routes accepted connections of kind to fn, after the handshake.
 	// fn owns conn.
 	Handle(kind string, fn func(conn net.Conn, from Hello))
-	// CheckLocal checks that [addr, addr+n) lies in one local registered
-	// region granting need.
-	CheckLocal(addr, n uint64, need Access) (*Region, error)
-	// HoldLocal is CheckLocal that also holds the region until Release:
+	// HoldLocal checks that [addr, addr+n) lies in one local registered
+	// region granting need, and holds the region until its Release:
 	// UnregisterMemory waits for every hold. Transports that serve remote
 	// requests hold the region while they touch its memory.
 	HoldLocal(addr, n uint64, need Access) (*Region, error)

@@ -13,7 +13,7 @@ import (
 )
 
 // mem is the registered memory at [addr, addr+n). Call it only after a
-// bounds check (CheckLocal on the serving side, the engine's check of the
+// bounds check (HoldLocal on the serving side, the engine's check of the
 // local region on the initiator).
 //
 // Registered memory is not Go-managed (memfd mappings, device-visible
