@@ -46,12 +46,13 @@ type Decode struct {
 	aux    *auxSlots
 	client *http.Client
 
-	mu     sync.Mutex
-	rooms  map[uint64]chan Result
-	closed bool           // under mu: Prepare refuses new rooms
-	wg     sync.WaitGroup // Prepares in flight
+	mu    sync.Mutex
+	rooms map[uint64]chan Result
+	wg    sync.WaitGroup // Prepares in flight
+	// ctx ends at Close (cancel, under mu): Prepare refuses new rooms and
+	// the ones waiting end.
 	ctx    context.Context
-	cancel context.CancelFunc // ends the Prepares in flight, at Close
+	cancel context.CancelFunc
 }
 
 // NewDecode prepares the decode side; wire OnNotify to the transfer
@@ -90,13 +91,12 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 // drop the room, bounded), then releases the aux buffer.
 func (d *Decode) Close() error {
 	d.mu.Lock()
-	if d.closed {
-		d.mu.Unlock()
+	closed := d.ctx.Err() != nil
+	d.cancel()
+	d.mu.Unlock()
+	if closed {
 		return nil
 	}
-	d.closed = true
-	d.mu.Unlock()
-	d.cancel()
 	d.wg.Wait()
 	d.client.CloseIdleConnections()
 	return d.cfg.Transfer.FreeHost(context.Background(), d.aux.mem)
@@ -135,7 +135,7 @@ func (d *Decode) OnNotify(n transfer.Notification) {
 // why.
 func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, port int, room uint64) (err error) {
 	d.mu.Lock()
-	if d.closed {
+	if d.ctx.Err() != nil {
 		d.mu.Unlock()
 		return ErrDecodeClosing
 	}
