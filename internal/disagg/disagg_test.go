@@ -309,7 +309,7 @@ func TestRoomSuccess(t *testing.T) {
 					x.p.mu.Unlock()
 					r.mu.Lock()
 					defer r.mu.Unlock()
-					return r.sentPages == len(f.pages)
+					return r.sentPages() == len(f.pages)
 				})
 			}
 			f.done(preq.Prefill, 77, -0.25, nil)
@@ -899,7 +899,7 @@ func TestDecodeCanceled(t *testing.T) {
 		}
 		r.mu.Lock()
 		defer r.mu.Unlock()
-		return r.sentPages == 2
+		return r.sentPages() == 2
 	})
 	cancel()
 	res := wait(t, ch, 2*time.Second)

@@ -280,22 +280,21 @@ type proom struct {
 	// xmu was taken and released, no more bytes reach decode.
 	xmu sync.Mutex
 
-	mu        sync.Mutex
-	state     State
-	dst       *RoomRequest
-	haveReq   bool
-	prompt    int
-	pages     []int32
-	tokens    int
-	done      bool
-	first     int
-	logprob   float32
-	top       []sampling.TopLogprob
-	release   func()
-	doneAt    time.Time // when the engine called Done
-	err       error     // first failure
-	sentPages int       // pages pushed of every layer (the least of layerSent)
-	auxSent   bool      // the first token is in decode's aux slot
+	mu      sync.Mutex
+	state   State
+	dst     *RoomRequest
+	haveReq bool
+	prompt  int
+	pages   []int32
+	tokens  int
+	done    bool
+	first   int
+	logprob float32
+	top     []sampling.TopLogprob
+	release func()
+	doneAt  time.Time // when the engine called Done
+	err     error     // first failure
+	auxSent bool      // the first token is in decode's aux slot
 	// Per layer: prompt tokens reported written by a layer call (and the
 	// fence to wait for first), and pages pushed.
 	layerTok   []int
@@ -441,7 +440,7 @@ func (r *proom) run() {
 		err, done = r.err, r.done
 		// Every page may already be out (a last chunk that ends on a page
 		// boundary) while the first token is not: success needs both.
-		finished := done && err == nil && r.sentPages == r.promptPages() && r.auxSent
+		finished := done && err == nil && r.sentPages() == r.promptPages() && r.auxSent
 		r.mu.Unlock()
 		switch {
 		case finished:
@@ -453,6 +452,9 @@ func (r *proom) run() {
 		}
 	}
 }
+
+// sentPages is how many prompt pages every layer has pushed (mu held).
+func (r *proom) sentPages() int { return slices.Min(r.layerSent) }
 
 func (r *proom) promptPages() int {
 	ps := r.p.cfg.Info.Layout.PageSize
@@ -572,7 +574,6 @@ func (r *proom) push() error {
 	for _, sp := range spans {
 		r.layerSent[sp.layer] = sp.upto
 	}
-	r.sentPages = slices.Min(r.layerSent)
 	r.auxSent = r.auxSent || sendAux
 	r.bytes += n
 	r.xfer += el
