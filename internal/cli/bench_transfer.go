@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"net"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
@@ -21,6 +22,12 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 		Args: cobra.NoArgs,
 		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
 			tf.backend, tf.metadata = cfg.Protocol, cfg.MetadataServer
+			host, _, _ := net.SplitHostPort(cfg.LocalServerName)
+			secret, err := tf.resolve(lg, host)
+			if err != nil {
+				return err
+			}
+			tf.secret = secret
 			var closers closers
 			defer func() { closers.Close() }()
 			deps := bench.Deps{
@@ -55,6 +62,6 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 	f.IntVar(&cfg.GPUID, "gpu-id", 0, "GPU for --use-vram")
 	f.BoolVar(&cfg.Baseline, "baseline", false, "also measure a plain baseline of the same bytes and print the ratio")
 	f.BoolVar(&cfg.JSON, "json", false, "print one JSON object")
-	f.StringVar(&tf.clusterToken, "cluster-token", "", "shared secret the peers prove")
+	tf.secretFlags.register(f)
 	return cmd
 }

@@ -71,7 +71,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.BoolVar(&f.pushByLayer, "disaggregation-push-by-layer", false, "prefill: push each layer's KV as soon as the layer is computed, overlapping the push with the rest of the pass")
 	fl.IntVar(&f.transferPort, "transfer-port", 0, "transfer engine port (0 picks a free one; the segment name is host:port)")
 	fl.StringVar(&f.metadata, "metadata-server", "p2p", "p2p, embedded, etcd://host:port or http://host:port/metadata")
-	fl.StringVar(&f.clusterToken, "cluster-token", "", "shared secret peers' transfer engines must prove")
+	f.secretFlags.register(fl)
 	fl.DurationVar(&f.timeout, "transfer-timeout", 5*time.Second, "bound on one transfer batch")
 	fl.IntVar(&f.baseGPU, "base-gpu-id", 0, "first GPU to use")
 	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel size (only 1)")
@@ -254,6 +254,12 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	if err := f.validate(); err != nil {
 		return err
 	}
+	secret, err := f.resolve(lg, f.host)
+	if err != nil {
+		return err
+	}
+	f.secret = secret
+	lg.Info("cluster secret", zap.String("source", secret.Source()), zap.String("fingerprint", secret.Fingerprint()))
 	reg := newRegistry()
 	st := &servingStack{}
 	defer st.close(lg)

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/shm"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
@@ -22,9 +23,12 @@ type transferFlags struct {
 	backend      string // auto, tcp, shm, nvlink, rdma
 	ibDevice     string
 	metadata     string
-	clusterToken string
 	timeout      time.Duration
 	prefix       string
+	secretFlags
+	// secret is what resolve gave (set by the command before
+	// newTransferEngine); zero with --insecure-no-cluster-token.
+	secret auth.Secret
 }
 
 // forceTCP is MC_FORCE_TCP=1 (read only here, in the CLI).
@@ -70,7 +74,7 @@ func (f *transferFlags) newTransferEngine(ctx context.Context, listen, name stri
 		return nil, nil, fmt.Errorf("--metadata-server %s: %w", f.metadata, err)
 	}
 	e, err := transfer.New(ctx, transfer.Config{
-		Listen: listen, Name: name, Registry: r, Transports: ts, ClusterToken: f.clusterToken,
+		Listen: listen, Name: name, Registry: r, Transports: ts, Secret: f.secret, Insecure: f.insecure,
 		Timeout: f.timeout, Logger: lg, Registerer: reg, OnNotify: onNotify,
 	})
 	if err != nil {

@@ -15,6 +15,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Config configures an Engine. The zero value of every field means the
@@ -29,8 +31,13 @@ type Config struct {
 	Registry Registry
 	// Transports in order of preference (for example nvlink, shm, tcp).
 	Transports []Transport
-	// ClusterToken, if set, must be proven by every peer (HMAC challenge).
-	ClusterToken string
+	// Secret is the cluster secret every peer must prove before it learns
+	// or gets anything, and that this engine proves to its peers. The zero
+	// value means the per-user secret of this host (auth.UserDefault).
+	Secret auth.Secret
+	// Insecure turns peer authentication off (Secret must be zero): every
+	// peer that connects is served.
+	Insecure bool
 	// Timeout bounds one batch (default 5s).
 	Timeout    time.Duration
 	Logger     *zap.Logger           // nil: no logs
@@ -54,6 +61,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Timeout < 0 {
 		return fmt.Errorf("transfer: config: negative timeout %v", c.Timeout)
+	}
+	if c.Insecure && !c.Secret.IsZero() {
+		return errors.New("transfer: config: Insecure with a Secret")
 	}
 	return nil
 }
@@ -111,6 +121,13 @@ func New(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 5 * time.Second
 	}
+	if cfg.Secret.IsZero() && !cfg.Insecure {
+		s, err := auth.UserDefault()
+		if err != nil {
+			return nil, fmt.Errorf("transfer: no cluster secret given and the per-user one is unavailable: %w", err)
+		}
+		cfg.Secret = s
+	}
 	lg := cfg.Logger
 	if lg == nil {
 		lg = zap.NewNop()
@@ -130,7 +147,7 @@ func New(ctx context.Context, cfg Config) (*Engine, error) {
 		self: &Descriptor{
 			Name: cfg.Name, Incarnation: hex.EncodeToString(inc[:]), Host: LocalHostID(),
 			Addr: addr, PID: os.Getpid(), Transports: map[string]json.RawMessage{},
-			TokenRequired: cfg.ClusterToken != "",
+			TokenRequired: !cfg.Secret.IsZero(),
 		},
 		byName:   map[string]SegmentID{},
 		handlers: map[string]func(net.Conn, Hello){},

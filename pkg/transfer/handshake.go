@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/hmac"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
@@ -13,6 +12,8 @@ import (
 	"io"
 	"net"
 	"time"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Every connection to an engine starts with the handshake below (byte layout
@@ -96,13 +97,11 @@ func newNonce() string {
 	return hex.EncodeToString(b[:])
 }
 
-func proof(token, role, a, b string) string {
-	if token == "" {
+func proof(s auth.Secret, role, a, b string) string {
+	if s.IsZero() {
 		return ""
 	}
-	m := hmac.New(sha256.New, []byte(token))
-	m.Write([]byte(role + "|" + a + "|" + b))
-	return hex.EncodeToString(m.Sum(nil))
+	return s.MACHex("mooncake handshake "+role, []byte(a), []byte(b))
 }
 
 // dialHandshake connects to addr and runs the client side. It returns the
@@ -147,11 +146,11 @@ func (e *Engine) clientHandshake(conn net.Conn, kind, want string) (*Descriptor,
 	if err != nil {
 		return nil, err
 	}
-	tok := e.cfg.ClusterToken
-	if desc.TokenRequired && tok == "" {
+	tok := e.cfg.Secret
+	if desc.TokenRequired && tok.IsZero() {
 		return nil, fmt.Errorf("%w: %s requires a cluster token and none is configured here", ErrAuth, desc.Name)
 	}
-	if tok != "" {
+	if !tok.IsZero() {
 		if !hmac.Equal([]byte(w.Proof), []byte(proof(tok, "server", h.Nonce, w.Nonce))) {
 			return nil, fmt.Errorf("%w: %s did not prove the cluster token", ErrAuth, desc.Name)
 		}
@@ -195,7 +194,7 @@ func (e *Engine) serverHandshake(conn net.Conn) (Hello, error) {
 		return h, err
 	}
 	self := e.selfRef()
-	tok := e.cfg.ClusterToken
+	tok := e.cfg.Secret
 	desc, _ := json.Marshal(self)
 	w := welcome{Desc: desc, Nonce: newNonce()}
 	w.Proof = proof(tok, "server", h.Nonce, w.Nonce)
@@ -206,7 +205,7 @@ func (e *Engine) serverHandshake(conn net.Conn) (Hello, error) {
 	if err := ReadFrame(conn, &p); err != nil {
 		return h, err
 	}
-	if tok != "" && !hmac.Equal([]byte(p.Proof), []byte(proof(tok, "client", w.Nonce, h.Nonce))) {
+	if !tok.IsZero() && !hmac.Equal([]byte(p.Proof), []byte(proof(tok, "client", w.Nonce, h.Nonce))) {
 		_ = WriteFrame(conn, verdict{Err: errTokenMsg})
 		return h, fmt.Errorf("%w: peer %q did not prove the cluster token", ErrAuth, h.Name)
 	}

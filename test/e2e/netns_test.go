@@ -73,7 +73,8 @@ func TestTwoHosts(t *testing.T) {
 	shared := sharedDir(t)
 	ns, hostIP, nsIP := twoHosts(t)
 	refs := loadRefs(t, shared)
-	args := append(storiesArgs(shared), pdFlags...)
+	// Two hosts share no per-user secret: the operator gives one.
+	args := append(append(storiesArgs(shared), pdFlags...), "--cluster-token", "two-hosts-e2e-token")
 	p := serve(t, serveOpts{name: "prefill", mode: "prefill", host: hostIP, args: args})
 	d := serve(t, serveOpts{name: "decode", mode: "decode", host: nsIP, netns: ns, args: args})
 	l := lb(t, "lb", []*server{p}, []*server{d})

@@ -29,7 +29,9 @@ func TestMain(m *testing.M) {
 
 type engineOpt func(*transfer.Config)
 
-func withToken(tok string) engineOpt { return func(c *transfer.Config) { c.ClusterToken = tok } }
+func withToken(tok string) engineOpt {
+	return func(c *transfer.Config) { c.Secret = transfertest.Secret(tok) }
+}
 func withListen(a string) engineOpt  { return func(c *transfer.Config) { c.Listen = a } }
 
 // withShm replaces the engine's shm transport by one with cfg.
@@ -283,9 +285,9 @@ func TestRestartedPeerGetsFreshMappings(t *testing.T) {
 }
 
 func TestClusterToken(t *testing.T) {
-	target, _ := newEngine(t, withToken("s3cret"))
+	target, _ := newEngine(t, withToken("s3cret-s3cret-s3cret"))
 	rmem := alloc(t, target, 1<<20, transfer.AccessReadWrite)
-	good, _ := newEngine(t, withToken("s3cret"))
+	good, _ := newEngine(t, withToken("s3cret-s3cret-s3cret"))
 	src := alloc(t, good, 1<<20, transfer.AccessReadWrite)
 	ctx := context.Background()
 	seg, err := good.OpenSegment(ctx, target.Name())
@@ -298,7 +300,7 @@ func TestClusterToken(t *testing.T) {
 	}
 	checkEqual(t, "with token", rmem.Bytes(), src.Bytes())
 
-	bad, _ := newEngine(t, withToken("wrong"))
+	bad, _ := newEngine(t, withToken("wrong-wrong-wrong-wrong"))
 	if _, err := bad.OpenSegment(ctx, target.Name()); !errors.Is(err, transfer.ErrAuth) {
 		t.Fatalf("open with the wrong token: %v, want ErrAuth", err)
 	}

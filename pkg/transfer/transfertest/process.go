@@ -68,7 +68,7 @@ func runTarget(newTransports func() []transfer.Transport) error {
 		reg = r
 	}
 	e, err := transfer.New(ctx, transfer.Config{Listen: "127.0.0.1:0", Transports: newTransports(),
-		ClusterToken: os.Getenv(envTargetTok), Registry: reg})
+		Secret: Secret(os.Getenv(envTargetTok)), Registry: reg})
 	if err != nil {
 		return err
 	}
@@ -200,8 +200,8 @@ func testProcessData(t *testing.T, nt func() []transfer.Transport) {
 
 func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec string, reg transfer.Registry) {
 	const size = 8 << 20
-	tg := StartTargetRegistry(t, size, "tok", spec)
-	a := NewNode(t, nt, func(c *transfer.Config) { c.ClusterToken = "tok"; c.Registry = reg })
+	tg := StartTargetRegistry(t, size, "process-test-token", spec)
+	a := NewNode(t, nt, func(c *transfer.Config) { c.Secret = Secret("process-test-token"); c.Registry = reg })
 	am := a.Alloc(t, size, transfer.AccessReadWrite)
 	check := a.Alloc(t, size, transfer.AccessReadWrite)
 	seg := open(t, a.E, tg.Name)

@@ -17,6 +17,7 @@ import (
 	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Poison is the byte destinations hold before a transfer: any byte a test
@@ -516,23 +517,24 @@ func testReadOnly(t *testing.T, nt func() []transfer.Transport) {
 
 func testToken(t *testing.T, nt func() []transfer.Transport) {
 	withTok := func(tok string) func(*transfer.Config) {
-		return func(c *transfer.Config) { c.ClusterToken = tok }
+		return func(c *transfer.Config) { c.Secret = Secret(tok) }
 	}
-	b := NewNode(t, nt, withTok("secret"))
+	b := NewNode(t, nt, withTok("secret-secret-secret"))
 	bm := b.Alloc(t, 1<<20, transfer.AccessReadWrite)
 	ctx := context.Background()
-	for _, tok := range []string{"", "wrong"} {
+	for _, tok := range []string{"", "wrong-wrong-wrong-wrong"} {
 		a := NewNode(t, nt, withTok(tok))
 		if _, err := a.E.OpenSegment(ctx, b.E.Name()); !errors.Is(err, transfer.ErrAuth) {
 			t.Errorf("token %q: OpenSegment = %v, want ErrAuth", tok, err)
 		}
 	}
-	// A peer with a token talking to one without is refused too.
+	// A peer with a token talking to one with the per-user secret is
+	// refused too.
 	c := NewNode(t, nt, nil)
-	if _, err := NewNode(t, nt, withTok("secret")).E.OpenSegment(ctx, c.E.Name()); !errors.Is(err, transfer.ErrAuth) {
-		t.Errorf("token vs none: OpenSegment = %v, want ErrAuth", err)
+	if _, err := NewNode(t, nt, withTok("secret-secret-secret")).E.OpenSegment(ctx, c.E.Name()); !errors.Is(err, transfer.ErrAuth) {
+		t.Errorf("token vs per-user secret: OpenSegment = %v, want ErrAuth", err)
 	}
-	a := NewNode(t, nt, withTok("secret"))
+	a := NewNode(t, nt, withTok("secret-secret-secret"))
 	am := a.Alloc(t, 1<<20, transfer.AccessReadWrite)
 	seg := open(t, a.E, b.E.Name())
 	rng := rand.New(rand.NewPCG(11, 12))
@@ -667,3 +669,16 @@ var heapSink []byte
 
 // addrOf is the address of b's first byte.
 func addrOf(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
+
+// Secret is the cluster secret of token for tests; "" is the zero secret
+// (the engine then uses the per-user one).
+func Secret(token string) auth.Secret {
+	if token == "" {
+		return auth.Secret{}
+	}
+	s, err := auth.New(token, "test token")
+	if err != nil {
+		panic(err)
+	}
+	return s
+}
