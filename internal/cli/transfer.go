@@ -20,11 +20,11 @@ import (
 // transferFlags are the flags shared by every command that runs a
 // transfer engine.
 type transferFlags struct {
-	backend      string // auto, tcp, shm, nvlink, rdma
-	ibDevice     string
-	metadata     string
-	timeout      time.Duration
-	prefix       string
+	backend  string // auto, tcp, shm, nvlink, rdma
+	ibDevice string
+	metadata string
+	timeout  time.Duration
+	prefix   string
 	secretFlags
 	// secret is what resolve gave (set by the command before
 	// newTransferEngine); zero with --insecure-no-cluster-token.

@@ -32,7 +32,7 @@ type engineOpt func(*transfer.Config)
 func withToken(tok string) engineOpt {
 	return func(c *transfer.Config) { c.Secret = transfertest.Secret(tok) }
 }
-func withListen(a string) engineOpt  { return func(c *transfer.Config) { c.Listen = a } }
+func withListen(a string) engineOpt { return func(c *transfer.Config) { c.Listen = a } }
 
 // withShm replaces the engine's shm transport by one with cfg.
 func withShm(cfg Config) engineOpt {
