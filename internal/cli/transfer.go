@@ -69,7 +69,7 @@ func (f *transferFlags) newTransferEngine(ctx context.Context, listen, name stri
 	if err != nil {
 		return nil, nil, err
 	}
-	r, rc, err := registry.Open(ctx, f.metadata, registry.Options{Prefix: f.prefix, Logger: lg})
+	r, rc, err := registry.Open(ctx, f.metadata, registry.Options{Prefix: f.prefix, Logger: lg, Secret: f.secret, Insecure: f.insecure})
 	if err != nil {
 		return nil, nil, fmt.Errorf("--metadata-server %s: %w", f.metadata, err)
 	}

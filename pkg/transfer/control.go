@@ -2,7 +2,6 @@ package transfer
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -13,16 +12,15 @@ import (
 )
 
 // The control connection ("ctl" kind) carries small request/response
-// messages between engines: probes, notifications, descriptor fetches. One
-// per peer, multiplexed by id; frames as in the handshake.
+// messages between engines: probes and notifications. One per peer,
+// multiplexed by id; frames as in the handshake.
 type ctlMsg struct {
-	ID    uint64          `json:"id"`
-	Op    string          `json:"op,omitempty"` // probe, notify, describe
-	Topic string          `json:"topic,omitempty"`
-	Data  []byte          `json:"data,omitempty"`
-	Err   string          `json:"err,omitempty"`
-	Inc   string          `json:"inc,omitempty"`
-	Desc  json.RawMessage `json:"desc,omitempty"`
+	ID    uint64 `json:"id"`
+	Op    string `json:"op,omitempty"` // probe, notify
+	Topic string `json:"topic,omitempty"`
+	Data  []byte `json:"data,omitempty"`
+	Err   string `json:"err,omitempty"`
+	Inc   string `json:"inc,omitempty"`
 }
 
 type ctlConn struct {
@@ -176,7 +174,7 @@ func (e *Engine) ctlFor(ctx context.Context, s *segment) (*ctlConn, *Descriptor,
 	if c != nil && c.inc == d.Incarnation && c.alive() {
 		return c, d, nil
 	}
-	conn, nd, err := e.dialHandshake(ctx, d.Addr, "ctl", "")
+	conn, nd, err := e.dialHandshake(ctx, d.Addr, "ctl", "", true)
 	if err != nil {
 		s.markStale()
 		return nil, d, err
@@ -270,8 +268,6 @@ func (e *Engine) serveCtl(conn net.Conn, h Hello) {
 		r := ctlMsg{ID: m.ID, Inc: e.selfRef().Incarnation}
 		switch m.Op {
 		case "probe":
-		case "describe":
-			r.Desc, _ = json.Marshal(e.selfRef())
 		case "notify":
 			e.m.notifies.WithLabelValues("received").Inc()
 			if e.cfg.OnNotify != nil {

@@ -1,11 +1,12 @@
 package transfer
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
 	"strings"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Descriptor is what a segment publishes: enough for a peer to decide which
@@ -26,8 +27,9 @@ type Descriptor struct {
 	// segment-level information (for example shm's unix socket name).
 	Transports map[string]json.RawMessage `json:"transports"`
 	Regions    []RegionInfo               `json:"regions"`
-	// TokenRequired says peers must prove they know the cluster token.
-	TokenRequired bool `json:"token_required,omitempty"`
+	// MAC seals the descriptor with the cluster secret (see Seal); empty
+	// when the publisher runs without authentication.
+	MAC string `json:"mac,omitempty"`
 }
 
 // RegionInfo is one registered region as its peers see it.
@@ -52,18 +54,93 @@ func (d *Descriptor) Clone() *Descriptor {
 	return &c
 }
 
-// DecodeDescriptor parses and validates a descriptor.
-func DecodeDescriptor(b []byte) (*Descriptor, error) {
+// descriptorDomain is the MAC domain of descriptor seals.
+const descriptorDomain = "mooncake descriptor v1"
+
+// canonical is the byte string a seal covers: d's JSON with MAC empty.
+// encoding/json writes struct fields in declaration order, map keys sorted
+// and raw messages compacted, so a reader that decodes a descriptor and
+// encodes it again gets the bytes the publisher sealed.
+func (d *Descriptor) canonical() ([]byte, error) {
+	c := *d
+	c.MAC = ""
+	return json.Marshal(&c)
+}
+
+// Seal sets d.MAC to the HMAC under s of d's canonical encoding; the zero
+// secret (no authentication) clears it.
+func (d *Descriptor) Seal(s auth.Secret) error {
+	d.MAC = ""
+	if s.IsZero() {
+		return nil
+	}
+	b, err := d.canonical()
+	if err == nil {
+		// Seal what a reader will see: the encoding of the decoded
+		// encoding (they differ only where JSON cannot carry a value as
+		// it is, as invalid UTF-8 in a string).
+		var r Descriptor
+		if err = json.Unmarshal(b, &r); err == nil {
+			b, err = r.canonical()
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("transfer: seal descriptor of %s: %w", d.Name, err)
+	}
+	d.MAC = s.MACHex(descriptorDomain, b)
+	return nil
+}
+
+// CheckSeal reports whether d is sealed under s; with the zero secret every
+// descriptor passes. The error says why in words an operator can act on.
+func (d *Descriptor) CheckSeal(s auth.Secret) error {
+	if s.IsZero() {
+		return nil
+	}
+	if d.MAC == "" {
+		return fmt.Errorf("segment %q carries no seal: its publisher runs without a cluster secret (--insecure-no-cluster-token), or it was written by something other than mooncake-go; this side holds %s (fingerprint %s)",
+			d.Name, s.Source(), s.Fingerprint())
+	}
+	b, err := d.canonical()
+	if err != nil {
+		return err
+	}
+	if !s.VerifyHex(d.MAC, descriptorDomain, b) {
+		return fmt.Errorf("the seal of segment %q does not match this side's cluster secret (%s, fingerprint %s): it was forged, altered, or written by a process with another secret; give both the same --cluster-token",
+			d.Name, s.Source(), s.Fingerprint())
+	}
+	return nil
+}
+
+// ReadDescriptor decodes b, what key (a registry key, or "handshake with
+// host:port") holds, validates it and checks its seal under s; name, when
+// not empty, is the segment the descriptor must be of (a descriptor copied
+// under another name is refused). Every failure is a *DescriptorError.
+func ReadDescriptor(s auth.Secret, key, name string, b []byte) (*Descriptor, error) {
+	d, err := decodeDescriptor(b)
+	if err == nil && name != "" && d.Name != name {
+		err = fmt.Errorf("it describes segment %q, not %q", d.Name, name)
+	}
+	if err == nil {
+		err = d.CheckSeal(s)
+	}
+	if err != nil {
+		return nil, &DescriptorError{Key: key, Err: err}
+	}
+	return d, nil
+}
+
+// decodeDescriptor parses and validates a descriptor.
+func decodeDescriptor(b []byte) (*Descriptor, error) {
 	var d Descriptor
-	dec := json.NewDecoder(bytes.NewReader(b))
-	if err := dec.Decode(&d); err != nil {
-		return nil, fmt.Errorf("transfer: bad descriptor: %w", err)
+	if err := json.Unmarshal(b, &d); err != nil {
+		return nil, fmt.Errorf("not a descriptor: %w", err)
 	}
 	if d.Name == "" || d.Incarnation == "" {
-		return nil, fmt.Errorf("transfer: bad descriptor: name and incarnation are required")
+		return nil, fmt.Errorf("name and incarnation are required")
 	}
 	if _, err := newRegionTable(d.Regions); err != nil {
-		return nil, fmt.Errorf("transfer: bad descriptor of %s: %w", d.Name, err)
+		return nil, fmt.Errorf("segment %q: %w", d.Name, err)
 	}
 	return &d, nil
 }

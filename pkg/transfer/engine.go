@@ -93,6 +93,11 @@ type Engine struct {
 	closed   bool
 	chosen   sync.Map // transport choices already logged
 
+	// pending holds a token per accepted connection awaiting its proof.
+	pending chan struct{}
+	// refusals and busy limit the log lines of refused handshakes.
+	refusals, busy limiter
+
 	wg   sync.WaitGroup
 	done chan struct{}
 	// stopped is closed once Close has closed every transport: nothing
@@ -147,11 +152,11 @@ func New(ctx context.Context, cfg Config) (*Engine, error) {
 		self: &Descriptor{
 			Name: cfg.Name, Incarnation: hex.EncodeToString(inc[:]), Host: LocalHostID(),
 			Addr: addr, PID: os.Getpid(), Transports: map[string]json.RawMessage{},
-			TokenRequired: !cfg.Secret.IsZero(),
 		},
 		byName:   map[string]SegmentID{},
 		handlers: map[string]func(net.Conn, Hello){},
 		ctl:      map[string]*ctlConn{},
+		pending:  make(chan struct{}, maxPending),
 		done:     make(chan struct{}),
 		stopped:  make(chan struct{}),
 	}
@@ -167,6 +172,11 @@ func New(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		e.self.Transports[t.Name()] = t.Info()
 	}
+	if err := e.self.Seal(cfg.Secret); err != nil {
+		e.closeTransports()
+		ln.Close()
+		return nil, err
+	}
 	// Segment 0 is the engine itself.
 	e.segs = append(e.segs, &segment{name: cfg.Name, desc: e.self})
 	e.byName[cfg.Name] = LocalSegment
@@ -180,7 +190,8 @@ func New(ctx context.Context, cfg Config) (*Engine, error) {
 	go e.acceptLoop()
 	e.lg.Info("engine started", zap.String("segment", cfg.Name), zap.String("addr", addr),
 		zap.Strings("transports", e.transportNames()), zap.String("incarnation", e.self.Incarnation),
-		zap.Bool("p2p", cfg.Registry == nil))
+		zap.Bool("p2p", cfg.Registry == nil), zap.String("auth", authMode(cfg.Secret)),
+		zap.String("secret", cfg.Secret.Source()), zap.String("fingerprint", cfg.Secret.Fingerprint()))
 	return e, nil
 }
 
@@ -225,7 +236,7 @@ func (e *Engine) Handle(kind string, fn func(net.Conn, Hello)) {
 }
 
 func (e *Engine) Dial(ctx context.Context, peer *Descriptor, kind string) (net.Conn, error) {
-	conn, _, err := e.dialHandshake(ctx, peer.Addr, kind, peer.Incarnation)
+	conn, _, err := e.dialHandshake(ctx, peer.Addr, kind, peer.Incarnation, false)
 	return conn, err
 }
 
@@ -281,6 +292,20 @@ func (e *Engine) acceptLoop() {
 			time.Sleep(10 * time.Millisecond)
 			continue
 		}
+		select {
+		case e.pending <- struct{}{}:
+		default:
+			// Too many connections await their proof: refuse this one at
+			// once, before it costs anything.
+			refuseBusy(conn)
+			e.m.handshakes.WithLabelValues("busy").Inc()
+			if ok, dropped := e.busy.allow(time.Now(), time.Second); ok {
+				e.lg.Warn("connection refused: too many connections await authentication",
+					zap.String("remote", conn.RemoteAddr().String()), zap.Int("pending", maxPending),
+					zap.Int("refused_since_last_log", dropped))
+			}
+			continue
+		}
 		e.wg.Add(1)
 		go func() {
 			defer e.wg.Done()
@@ -289,23 +314,36 @@ func (e *Engine) acceptLoop() {
 	}
 }
 
+// serveConn runs the handshake of an accepted connection (holding one of
+// the pending tokens until the verdict), then hands it to its kind's
+// handler.
 func (e *Engine) serveConn(conn net.Conn) {
-	conn.SetDeadline(time.Now().Add(handshakeTime))
+	conn.SetDeadline(time.Now().Add(proofTime))
 	h, err := e.serverHandshake(conn)
+	<-e.pending
 	if err != nil {
-		e.lg.Warn("handshake refused", zap.String("remote", conn.RemoteAddr().String()), zap.String("peer", h.Name), zap.Error(err))
 		conn.Close()
+		result := "error"
+		var he *handshakeError
+		if errors.As(err, &he) {
+			result = he.result
+		}
+		e.m.handshakes.WithLabelValues(result).Inc()
+		if ok, dropped := e.refusals.allow(time.Now(), 100*time.Millisecond); ok {
+			msg := "handshake failed"
+			if result == "auth_failed" {
+				msg = "authentication failed"
+			}
+			e.lg.Warn(msg, zap.String("remote", conn.RemoteAddr().String()), zap.String("peer", h.Name),
+				zap.Error(err), zap.Int("refused_since_last_log", dropped))
+		}
 		return
 	}
+	e.m.handshakes.WithLabelValues("accepted").Inc()
 	conn.SetDeadline(time.Time{})
 	e.mu.RLock()
 	fn := e.handlers[h.Kind]
 	e.mu.RUnlock()
-	if fn == nil {
-		e.lg.Warn("connection of unknown kind", zap.String("kind", h.Kind), zap.String("peer", h.Name))
-		conn.Close()
-		return
-	}
 	// Close the connection when the engine closes, so handlers return.
 	stop := context.AfterFunc(e.ctx, func() { conn.Close() })
 	defer stop()

@@ -15,10 +15,15 @@ var (
 	ErrPeerDead        = errors.New("transfer: peer is not alive")
 	ErrPeerRestarted   = errors.New("transfer: peer restarted (new incarnation)")
 	ErrTimeout         = errors.New("transfer: timed out")
-	ErrAuth            = errors.New("transfer: cluster token rejected")
-	ErrRegistry        = errors.New("transfer: registry unreachable")
-	ErrCannotRegister  = errors.New("transfer: no transport can serve this region")
-	ErrRegionInUse     = errors.New("transfer: region still in use by transfers")
+	// ErrAuth: a peer (or this side) does not hold the cluster secret the
+	// other side requires, or one side runs without authentication.
+	ErrAuth = errors.New("transfer: authentication failed")
+	// ErrBadDescriptor: a descriptor does not decode, is not valid, or is
+	// not sealed with this cluster secret (see DescriptorError).
+	ErrBadDescriptor  = errors.New("transfer: bad descriptor")
+	ErrRegistry       = errors.New("transfer: registry unreachable")
+	ErrCannotRegister = errors.New("transfer: no transport can serve this region")
+	ErrRegionInUse    = errors.New("transfer: region still in use by transfers")
 )
 
 // OpError describes a failed operation on a segment.
@@ -41,6 +46,21 @@ func (e *OpError) Error() string {
 }
 
 func (e *OpError) Unwrap() error { return e.Err }
+
+// DescriptorError is a descriptor that failed to decode, to validate or its
+// seal check. It wraps ErrBadDescriptor and the reason.
+type DescriptorError struct {
+	// Key is where the descriptor came from: a registry key
+	// ("mooncake/ram/host:port"), or "handshake with host:port".
+	Key string
+	Err error
+}
+
+func (e *DescriptorError) Error() string {
+	return fmt.Sprintf("%v at %s: %v", ErrBadDescriptor, e.Key, e.Err)
+}
+
+func (e *DescriptorError) Unwrap() []error { return []error{ErrBadDescriptor, e.Err} }
 
 // RangeError names an address range a check refused.
 type RangeError struct {

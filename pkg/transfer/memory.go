@@ -184,6 +184,9 @@ func (e *Engine) rebuildSelfLocked() {
 	for i, r := range e.local {
 		d.Regions[i] = r.RegionInfo
 	}
+	if err := d.Seal(e.cfg.Secret); err != nil {
+		e.lg.Error("sealing the descriptor", zap.Error(err)) // cannot fail: it encoded before
+	}
 	e.self = &d
 	e.segs[LocalSegment].setDesc(&d)
 }

@@ -8,6 +8,9 @@ type metrics struct {
 	tasks    *prometheus.CounterVec   // transport, result
 	seconds  *prometheus.HistogramVec // transport
 	notifies *prometheus.CounterVec   // direction
+	// handshakes counts accepted connections by the handshake's result:
+	// accepted, auth_failed, busy (refused at accept), error.
+	handshakes *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -28,9 +31,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		notifies: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "mooncake_transfer_notifications_total", Help: "Notifications sent and received.",
 		}, []string{"direction"}),
+		handshakes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_transfer_handshakes_total", Help: "Handshakes of accepted connections by result: accepted, auth_failed, busy (refused at accept: too many awaiting proof), error.",
+		}, []string{"result"}),
+	}
+	for _, r := range []string{"accepted", "auth_failed", "busy", "error"} {
+		m.handshakes.WithLabelValues(r)
 	}
 	if reg != nil {
-		reg.MustRegister(m.bytes, m.batches, m.tasks, m.seconds, m.notifies)
+		reg.MustRegister(m.bytes, m.batches, m.tasks, m.seconds, m.notifies, m.handshakes)
 	}
 	return m
 }

@@ -20,7 +20,7 @@ type segment struct {
 func (s *segment) setDesc(d *Descriptor) {
 	t, err := newRegionTable(d.Regions)
 	if err != nil {
-		t = &regionTable{} // DecodeDescriptor validated peers; our own is valid
+		t = &regionTable{} // ReadDescriptor validated peers; our own is valid
 	}
 	s.mu.Lock()
 	s.desc, s.table, s.stale = d, t, false
@@ -95,13 +95,27 @@ func (e *Engine) SegmentDescriptor(id SegmentID) (*Descriptor, error) {
 }
 
 // fetch gets a descriptor from the registry or, in P2P mode, from the peer.
+// Whatever the registry is, the descriptor must be of name and sealed with
+// this engine's secret: nothing else is ever cached.
 func (e *Engine) fetch(ctx context.Context, name string) (*Descriptor, error) {
 	if e.cfg.Registry != nil {
-		return e.cfg.Registry.Get(ctx, name)
+		d, err := e.cfg.Registry.Get(ctx, name)
+		if err != nil {
+			return nil, err
+		}
+		if d.Name != name {
+			err = fmt.Errorf("it describes segment %q, not %q", d.Name, name)
+		} else {
+			err = d.CheckSeal(e.cfg.Secret)
+		}
+		if err != nil {
+			return nil, &DescriptorError{Key: "the registry entry of " + name, Err: err}
+		}
+		return d, nil
 	}
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.Timeout)
 	defer cancel()
-	conn, d, err := e.dialHandshake(ctx, name, "ctl", "")
+	conn, d, err := e.dialHandshake(ctx, name, "ctl", "", true)
 	if err != nil {
 		return nil, err
 	}

@@ -32,7 +32,11 @@ func TestTwoProcesses(t *testing.T) {
 	}
 	defer etcd.Close()
 	etcdSpec := "etcd://" + strings.TrimPrefix(etcd.(Endpointer).Endpoints()[0], "http://")
-	meta := httptest.NewServer(httpmeta.NewServer(nil))
+	ms, err := httpmeta.NewServer(httpmeta.ServerConfig{Secret: transfertest.Secret(transfertest.ProcessToken)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	meta := httptest.NewServer(ms)
 	defer meta.Close()
 	for _, tr := range []string{"tcp", "shm"} {
 		for _, spec := range []string{"p2p", etcdSpec, meta.URL + "/metadata"} {

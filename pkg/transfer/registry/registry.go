@@ -24,6 +24,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/embedded"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/etcd"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/httpmeta"
@@ -46,6 +47,14 @@ type Options struct {
 	ClientURL string
 	// Logger: nil means no logs.
 	Logger *zap.Logger
+	// Secret is the cluster secret: every registry seals the descriptors
+	// it writes with it and refuses those it reads whose seal does not
+	// check out (transfer.ErrBadDescriptor naming the key); the HTTP client
+	// also signs its requests. The zero value means the per-user secret of
+	// this host.
+	Secret auth.Secret
+	// Insecure: no seals, no signatures (Secret must be zero).
+	Insecure bool
 }
 
 // Endpointer is implemented by the io.Closer Open returns for "embedded":
@@ -71,7 +80,8 @@ func Open(ctx context.Context, spec string, opts Options) (transfer.Registry, io
 			return nil, nil, badSpec(spec, err)
 		}
 		r, err := newRenewing(ctx, opts.Logger, func(ctx context.Context) (*etcd.Registry, error) {
-			return etcd.New(ctx, etcd.Config{Endpoints: eps, Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger})
+			return etcd.New(ctx, etcd.Config{Endpoints: eps, Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger,
+				Secret: opts.Secret, Insecure: opts.Insecure})
 		})
 		if err != nil {
 			return nil, nil, fmt.Errorf("--metadata-server %s: %w", spec, err)
@@ -88,7 +98,10 @@ func Open(ctx context.Context, spec string, opts Options) (transfer.Registry, io
 		if u.Path == "" || u.Path == "/" {
 			u.Path = "/metadata" // Mooncake's path
 		}
-		c := httpmeta.NewClient(u.String(), nil)
+		c, err := httpmeta.NewClient(httpmeta.ClientConfig{URL: u.String(), Secret: opts.Secret, Insecure: opts.Insecure})
+		if err != nil {
+			return nil, nil, fmt.Errorf("--metadata-server %s: %w", spec, err)
+		}
 		return c, c, nil
 	}
 	return nil, nil, badSpec(spec, nil)
@@ -123,7 +136,8 @@ func openEmbedded(ctx context.Context, opts Options) (transfer.Registry, io.Clos
 		return nil, nil, fmt.Errorf("--metadata-server embedded: %w", err)
 	}
 	r, err := newRenewing(ctx, opts.Logger, func(ctx context.Context) (*etcd.Registry, error) {
-		return etcd.New(ctx, etcd.Config{Endpoints: srv.Endpoints(), Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger})
+		return etcd.New(ctx, etcd.Config{Endpoints: srv.Endpoints(), Prefix: opts.Prefix, TTL: opts.TTL, Logger: opts.Logger,
+			Secret: opts.Secret, Insecure: opts.Insecure})
 	})
 	if err != nil {
 		return nil, nil, errors.Join(fmt.Errorf("--metadata-server embedded: %w", err), srv.Close())

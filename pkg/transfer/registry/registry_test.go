@@ -11,20 +11,32 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/httpmeta"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/registrytest"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
 func TestMain(m *testing.M) {
-	transfertest.OpenRegistry = func(ctx context.Context, spec string) (transfer.Registry, io.Closer, error) {
-		return Open(ctx, spec, Options{})
+	transfertest.OpenRegistry = func(ctx context.Context, spec string, secret auth.Secret) (transfer.Registry, io.Closer, error) {
+		return Open(ctx, spec, Options{Secret: secret})
 	}
 	transfertest.TargetMain(processTransports)
 	goleak.VerifyTestMain(m,
 		goleak.IgnoreTopFunction("google.golang.org/grpc/internal/grpcsync.(*CallbackSerializer).run"),
 		goleak.IgnoreTopFunction("go.opencensus.io/stats/view.(*worker).start"),
 	)
+}
+
+// newMetaServer is an HTTP metadata server with the per-user secret, as
+// `mooncake-go registry` runs by default.
+func newMetaServer(t *testing.T) *httpmeta.Server {
+	t.Helper()
+	s, err := httpmeta.NewServer(httpmeta.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
 }
 
 func TestBadSpecs(t *testing.T) {
@@ -99,7 +111,7 @@ func TestEmbeddedAndEtcd(t *testing.T) {
 }
 
 func TestHTTP(t *testing.T) {
-	hs := httptest.NewServer(httpmeta.NewServer(nil))
+	hs := httptest.NewServer(newMetaServer(t))
 	defer hs.Close()
 	for _, spec := range []string{hs.URL + "/metadata", hs.URL} {
 		r, c, err := Open(t.Context(), spec, Options{})

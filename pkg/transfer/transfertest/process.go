@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Environment of a target process started by StartTarget.
@@ -26,10 +27,15 @@ const (
 	envTargetReg  = "MOONCAKE_TRANSFERTEST_REGISTRY"
 )
 
+// ProcessToken is the cluster token of the two-process data tests (a
+// registry server they use must hold it too).
+const ProcessToken = "process-test-token"
+
 // OpenRegistry, when set (by a test package, before TargetMain), opens the
-// registry a spec names, in the target and in RunProcessRegistry's
-// initiator. It keeps this package free of registry implementations.
-var OpenRegistry func(ctx context.Context, spec string) (transfer.Registry, io.Closer, error)
+// registry a spec names with a cluster secret, in the target and in
+// RunProcessRegistry's initiator. It keeps this package free of registry
+// implementations.
+var OpenRegistry func(ctx context.Context, spec string, secret auth.Secret) (transfer.Registry, io.Closer, error)
 
 // TargetMain makes a test binary usable as a target process. Call it first
 // in TestMain: when the binary was started by StartTarget it runs the
@@ -60,7 +66,7 @@ func runTarget(newTransports func() []transfer.Transport) error {
 		if OpenRegistry == nil {
 			return fmt.Errorf("%s=%s but OpenRegistry is not set", envTargetReg, spec)
 		}
-		r, closer, err := OpenRegistry(ctx, spec)
+		r, closer, err := OpenRegistry(ctx, spec, Secret(os.Getenv(envTargetTok)))
 		if err != nil {
 			return err
 		}
@@ -186,7 +192,7 @@ func RunProcessRegistry(t *testing.T, newTransports func() []transfer.Transport,
 	if OpenRegistry == nil {
 		t.Fatal("transfertest.OpenRegistry is not set")
 	}
-	reg, closer, err := OpenRegistry(context.Background(), spec)
+	reg, closer, err := OpenRegistry(context.Background(), spec, Secret(ProcessToken))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -200,8 +206,8 @@ func testProcessData(t *testing.T, nt func() []transfer.Transport) {
 
 func testProcessDataWith(t *testing.T, nt func() []transfer.Transport, spec string, reg transfer.Registry) {
 	const size = 8 << 20
-	tg := StartTargetRegistry(t, size, "process-test-token", spec)
-	a := NewNode(t, nt, func(c *transfer.Config) { c.Secret = Secret("process-test-token"); c.Registry = reg })
+	tg := StartTargetRegistry(t, size, ProcessToken, spec)
+	a := NewNode(t, nt, func(c *transfer.Config) { c.Secret = Secret(ProcessToken); c.Registry = reg })
 	am := a.Alloc(t, size, transfer.AccessReadWrite)
 	check := a.Alloc(t, size, transfer.AccessReadWrite)
 	seg := open(t, a.E, tg.Name)

@@ -22,6 +22,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/internal/meta"
 )
 
@@ -53,6 +54,14 @@ type Config struct {
 	// Logger receives lease loss and the etcd client's warnings; nil: no
 	// logs.
 	Logger *zap.Logger
+	// Secret seals every descriptor Put writes and is checked on every one
+	// Get reads: etcd itself authenticates nobody, so a descriptor written
+	// by anyone without the secret is refused (transfer.ErrBadDescriptor,
+	// naming the key). The zero value means the per-user secret of this
+	// host (auth.UserDefault).
+	Secret auth.Secret
+	// Insecure turns sealing and checking off (Secret must be zero).
+	Insecure bool
 }
 
 // Validate reports a configuration New cannot use.
@@ -70,6 +79,9 @@ func (c *Config) Validate() error {
 	}
 	if c.DialTimeout < 0 || c.RequestTimeout < 0 {
 		return errors.New("etcd registry: config: negative timeout")
+	}
+	if c.Insecure && !c.Secret.IsZero() {
+		return errors.New("etcd registry: config: Insecure with a Secret")
 	}
 	return nil
 }
@@ -116,6 +128,11 @@ func New(ctx context.Context, cfg Config) (*Registry, error) {
 		return nil, err
 	}
 	cfg = cfg.withDefaults()
+	secret, err := meta.Secret(cfg.Secret, cfg.Insecure)
+	if err != nil {
+		return nil, err
+	}
+	cfg.Secret = secret
 	lg := cfg.Logger.Named("registry.etcd")
 	client, err := clientv3.New(clientv3.Config{
 		Endpoints:   cfg.Endpoints,
@@ -220,7 +237,7 @@ func (r *Registry) isClosed() bool {
 // Put publishes d under d.Name, both keys in one transaction, attached to
 // the lease.
 func (r *Registry) Put(ctx context.Context, d *transfer.Descriptor) error {
-	desc, rpc, err := meta.Encode(d)
+	desc, rpc, err := meta.Encode(r.cfg.Secret, d)
 	if err != nil {
 		return err
 	}
@@ -259,10 +276,10 @@ func (r *Registry) Get(ctx context.Context, name string) (*transfer.Descriptor, 
 		if len(resp.Kvs) == 0 {
 			return fmt.Errorf("%w: %s (no key %s in etcd)", transfer.ErrSegmentNotFound, name, key)
 		}
-		d, err = transfer.DecodeDescriptor(resp.Kvs[0].Value)
+		d, err = transfer.ReadDescriptor(r.cfg.Secret, key, name, resp.Kvs[0].Value)
 		if err != nil {
 			// Neither missing nor unreachable: the value is there but unusable.
-			return &badValueError{fmt.Errorf("etcd registry: key %s holds a bad descriptor: %w", key, err)}
+			return &badValueError{err}
 		}
 		return nil
 	})

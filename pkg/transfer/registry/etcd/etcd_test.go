@@ -60,10 +60,20 @@ func newRegistry(t *testing.T, cfg Config) *Registry {
 
 func TestConformance(t *testing.T) {
 	srv := startServer(t)
+	raw := rawClient(t, srv)
 	var n atomic.Int64
-	registrytest.Run(t, func(t *testing.T) transfer.Registry {
+	registrytest.Run(t, func(t *testing.T) registrytest.Store {
 		// A fresh prefix per subtest: a store nobody else sees.
-		return newRegistry(t, Config{Endpoints: srv.Endpoints(), Prefix: "conf" + string(rune('a'+n.Add(1)))})
+		prefix := "conf" + string(rune('a'+n.Add(1)))
+		s := registrytest.Secret()
+		return registrytest.Store{
+			Registry: newRegistry(t, Config{Endpoints: srv.Endpoints(), Prefix: prefix, Secret: s}),
+			Secret:   s,
+			Raw: func(ctx context.Context, name string, value []byte) error {
+				_, err := raw.Put(ctx, meta.RAMKey(prefix, name), string(value))
+				return err
+			},
+		}
 	})
 }
 

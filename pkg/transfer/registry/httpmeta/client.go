@@ -3,6 +3,7 @@ package httpmeta
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -12,11 +13,30 @@ import (
 	"time"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/internal/meta"
 )
 
 // DefaultTimeout bounds every request of a Client.
 const DefaultTimeout = 3 * time.Second
+
+// ClientConfig configures a Client. Zero values mean the defaults noted.
+type ClientConfig struct {
+	// URL is the server's metadata URL ("http://host:port/metadata").
+	URL string
+	// HTTPClient: nil means a private client.
+	HTTPClient *http.Client
+	// Secret signs every request and seals every descriptor Put writes;
+	// Get refuses a descriptor whose seal does not check out under it. The
+	// zero value means the per-user secret of this host (auth.UserDefault).
+	Secret auth.Secret
+	// Insecure sends unsigned requests and checks no seal (Secret must be
+	// zero): for a server run insecure.
+	Insecure bool
+	// Timeout bounds every request on top of the caller's context
+	// (default DefaultTimeout).
+	Timeout time.Duration
+}
 
 // Client is a transfer.Registry on a metadata server. It is safe for
 // concurrent use.
@@ -24,21 +44,27 @@ type Client struct {
 	url     string
 	hc      *http.Client
 	ownHC   bool
+	secret  auth.Secret
 	timeout time.Duration
 }
 
 var _ transfer.Registry = (*Client)(nil)
 
-// NewClient returns a client of the server at url
-// ("http://host:port/metadata"). httpClient nil: a private client. Every
-// request is bounded by DefaultTimeout on top of the caller's context.
-func NewClient(url string, httpClient *http.Client) *Client {
-	c := &Client{url: url, hc: httpClient, timeout: DefaultTimeout}
+// NewClient returns a client of the server at cfg.URL (no I/O).
+func NewClient(cfg ClientConfig) (*Client, error) {
+	s, err := meta.Secret(cfg.Secret, cfg.Insecure)
+	if err != nil {
+		return nil, fmt.Errorf("http registry: %w", err)
+	}
+	c := &Client{url: cfg.URL, hc: cfg.HTTPClient, secret: s, timeout: cfg.Timeout}
+	if c.timeout <= 0 {
+		c.timeout = DefaultTimeout
+	}
 	if c.hc == nil {
-		c.hc = &http.Client{Timeout: DefaultTimeout}
+		c.hc = &http.Client{Timeout: c.timeout}
 		c.ownHC = true
 	}
-	return c
+	return c, nil
 }
 
 // do sends one request for key and returns the response body of a 2xx.
@@ -64,6 +90,9 @@ func (c *Client) do(ctx context.Context, method, key string, body []byte) ([]byt
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}
+	if !c.secret.IsZero() {
+		sign(c.secret, req, key, body, time.Now())
+	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("%w: metadata server %s: %s %s: %w", transfer.ErrRegistry, c.url, method, key, err)
@@ -76,12 +105,15 @@ func (c *Client) do(ctx context.Context, method, key string, body []byte) ([]byt
 	switch {
 	case resp.StatusCode == http.StatusNotFound:
 		return nil, errNotFound
-	case resp.StatusCode/100 != 2:
-		msg := strings.TrimSpace(string(b))
-		if len(msg) > 200 {
-			msg = msg[:200] + "..."
+	case resp.StatusCode == http.StatusUnauthorized || resp.StatusCode == http.StatusForbidden:
+		side := "this side sends unsigned requests (--insecure-no-cluster-token)"
+		if !c.secret.IsZero() {
+			side = fmt.Sprintf("this side: %s, fingerprint %s", c.secret.Source(), c.secret.Fingerprint())
 		}
-		return nil, fmt.Errorf("%w: metadata server %s: %s %s: %s: %s", transfer.ErrRegistry, c.url, method, key, resp.Status, msg)
+		return nil, fmt.Errorf("%w: metadata server %s refused %s %s: %s: %s (%s); give the registry and every process the same --cluster-token",
+			transfer.ErrAuth, c.url, method, key, resp.Status, errorMessage(b), side)
+	case resp.StatusCode/100 != 2:
+		return nil, fmt.Errorf("%w: metadata server %s: %s %s: %s: %s", transfer.ErrRegistry, c.url, method, key, resp.Status, errorMessage(b))
 	case len(b) > MaxValueBytes:
 		return nil, fmt.Errorf("%w: metadata server %s: %s %s: response larger than %d bytes", transfer.ErrRegistry, c.url, method, key, MaxValueBytes)
 	}
@@ -89,6 +121,24 @@ func (c *Client) do(ctx context.Context, method, key string, body []byte) ([]byt
 }
 
 var errNotFound = errors.New("not found")
+
+// errorMessage is the message of a JSON error body, or the body itself,
+// shortened.
+func errorMessage(b []byte) string {
+	var e struct {
+		Error struct {
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	msg := strings.TrimSpace(string(b))
+	if json.Unmarshal(b, &e) == nil && e.Error.Message != "" {
+		msg = e.Error.Message
+	}
+	if len(msg) > 300 {
+		msg = msg[:300] + "..."
+	}
+	return msg
+}
 
 // ctxErr prefers the caller's cancellation over a transport error, so
 // errors.Is(err, context.Canceled) holds when the caller gave up.
@@ -101,7 +151,7 @@ func ctxErr(ctx context.Context, op, key string, err error) error {
 
 // Put stores d's descriptor, then its rpc_meta.
 func (c *Client) Put(ctx context.Context, d *transfer.Descriptor) error {
-	desc, rpc, err := meta.Encode(d)
+	desc, rpc, err := meta.Encode(c.secret, d)
 	if err != nil {
 		return err
 	}
@@ -144,11 +194,7 @@ func (c *Client) Get(ctx context.Context, name string) (*transfer.Descriptor, er
 	if err != nil {
 		return nil, ctxErr(ctx, "get", key, err)
 	}
-	d, err := transfer.DecodeDescriptor(b)
-	if err != nil {
-		return nil, fmt.Errorf("http registry: key %s holds a bad descriptor: %w", key, err)
-	}
-	return d, nil
+	return transfer.ReadDescriptor(c.secret, key, name, b)
 }
 
 // Delete removes name's descriptor and rpc_meta. Deleting a name that is not

@@ -14,30 +14,66 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/internal/meta"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/registrytest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
+// serve starts an insecure server (the Mooncake protocol tests); secured
+// ones are in auth_test.go.
 func serve(t *testing.T) (*Server, *httptest.Server) {
 	t.Helper()
-	s := NewServer(nil)
+	return serveWith(t, ServerConfig{Insecure: true})
+}
+
+func serveWith(t *testing.T, cfg ServerConfig) (*Server, *httptest.Server) {
+	t.Helper()
+	s, err := NewServer(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	hs := httptest.NewServer(s)
 	t.Cleanup(hs.Close)
 	return s, hs
 }
 
 func newClient(t *testing.T, url string) *Client {
-	c := NewClient(url, nil)
+	return newClientWith(t, ClientConfig{URL: url, Secret: registrytest.Secret()})
+}
+
+func newClientWith(t *testing.T, cfg ClientConfig) *Client {
+	t.Helper()
+	c, err := NewClient(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { c.Close() })
 	return c
 }
 
 func TestConformance(t *testing.T) {
-	registrytest.Run(t, func(t *testing.T) transfer.Registry {
-		_, hs := serve(t)
-		return newClient(t, hs.URL+"/metadata")
-	})
+	for _, insecure := range []bool{false, true} {
+		t.Run(map[bool]string{false: "signed", true: "insecure server"}[insecure], func(t *testing.T) {
+			registrytest.Run(t, func(t *testing.T) registrytest.Store {
+				sc := ServerConfig{Secret: registrytest.Secret()}
+				if insecure {
+					sc = ServerConfig{Insecure: true}
+				}
+				_, hs := serveWith(t, sc)
+				sec := registrytest.Secret()
+				raw := newClientWith(t, ClientConfig{URL: hs.URL + "/metadata", Secret: sec})
+				return registrytest.Store{
+					Registry: newClient(t, hs.URL+"/metadata"),
+					Secret:   sec,
+					Raw: func(ctx context.Context, name string, value []byte) error {
+						_, err := raw.do(ctx, http.MethodPut, meta.RAMKey("", name), value)
+						return err
+					},
+				}
+			})
+		})
+	}
 }
 
 func do(t *testing.T, method, url, body string) (int, string) {
@@ -85,24 +121,6 @@ func TestProtocol(t *testing.T) {
 	}
 	if s.Len() != 0 {
 		t.Errorf("%d keys left", s.Len())
-	}
-}
-
-func TestBodyCap(t *testing.T) {
-	s, hs := serve(t)
-	s.maxValue = 1 << 20
-	req, _ := http.NewRequestWithContext(t.Context(), "PUT", hs.URL+"/metadata?key=big",
-		io.LimitReader(zeros{}, 1<<20+1))
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusRequestEntityTooLarge {
-		t.Fatalf("status %d, want 413", resp.StatusCode)
-	}
-	if s.Len() != 0 {
-		t.Fatal("an oversized value was stored")
 	}
 }
 
@@ -198,7 +216,7 @@ func TestBadValue(t *testing.T) {
 	do(t, "PUT", hs.URL+"/metadata?key=mooncake/ram/x:1", "not json")
 	c := newClient(t, hs.URL+"/metadata")
 	_, err := c.Get(context.Background(), "x:1")
-	if err == nil || errors.Is(err, transfer.ErrSegmentNotFound) || errors.Is(err, transfer.ErrRegistry) {
-		t.Fatalf("get of a bad value: %v", err)
+	if !errors.Is(err, transfer.ErrBadDescriptor) || !strings.Contains(err.Error(), "mooncake/ram/x:1") {
+		t.Fatalf("get of a bad value: %v, want ErrBadDescriptor naming the key", err)
 	}
 }

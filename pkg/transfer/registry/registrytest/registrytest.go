@@ -13,19 +13,42 @@ import (
 	"time"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
+
+// Store is one subtest's registry, and a way around it.
+type Store struct {
+	Registry transfer.Registry
+	// Secret is the cluster secret Registry was opened with.
+	Secret auth.Secret
+	// Raw stores value under the key where name's descriptor lives, as
+	// anyone who reaches the store without the secret could: no seal, no
+	// checks.
+	Raw func(ctx context.Context, name string, value []byte) error
+}
+
+// Secret is the cluster secret a suite's registries are opened with.
+func Secret() auth.Secret {
+	s, err := auth.New("registrytest-cluster-secret", "registrytest secret")
+	if err != nil {
+		panic(err)
+	}
+	return s
+}
 
 // Run runs the suite. open returns a registry for one subtest, over a store
 // no other subtest sees (a fresh server, or a fresh cluster prefix); it
 // registers its own cleanup with t.Cleanup.
-func Run(t *testing.T, open func(t *testing.T) transfer.Registry) {
-	t.Run("RoundTrip", func(t *testing.T) { testRoundTrip(t, open(t)) })
-	t.Run("Overwrite", func(t *testing.T) { testOverwrite(t, open(t)) })
-	t.Run("Delete", func(t *testing.T) { testDelete(t, open(t)) })
-	t.Run("NotFound", func(t *testing.T) { testNotFound(t, open(t)) })
-	t.Run("BadPut", func(t *testing.T) { testBadPut(t, open(t)) })
-	t.Run("ConcurrentPuts", func(t *testing.T) { testConcurrentPuts(t, open(t)) })
-	t.Run("Canceled", func(t *testing.T) { testCanceled(t, open(t)) })
+func Run(t *testing.T, open func(t *testing.T) Store) {
+	reg := func(t *testing.T) transfer.Registry { return open(t).Registry }
+	t.Run("RoundTrip", func(t *testing.T) { testRoundTrip(t, reg(t)) })
+	t.Run("Overwrite", func(t *testing.T) { testOverwrite(t, reg(t)) })
+	t.Run("Delete", func(t *testing.T) { testDelete(t, reg(t)) })
+	t.Run("NotFound", func(t *testing.T) { testNotFound(t, reg(t)) })
+	t.Run("BadPut", func(t *testing.T) { testBadPut(t, reg(t)) })
+	t.Run("ConcurrentPuts", func(t *testing.T) { testConcurrentPuts(t, reg(t)) })
+	t.Run("Canceled", func(t *testing.T) { testCanceled(t, reg(t)) })
+	t.Run("Forged", func(t *testing.T) { testForged(t, open(t)) })
 }
 
 func ctx(t *testing.T) context.Context {
@@ -60,16 +83,21 @@ func Descriptor(name, incarnation string) *transfer.Descriptor {
 				Access:   transfer.AccessRead,
 			},
 		},
-		TokenRequired: true,
 	}
 }
 
+// same compares descriptors but for their seals; got must be sealed.
 func same(t *testing.T, got, want *transfer.Descriptor) {
 	t.Helper()
-	g, _ := json.Marshal(got)
-	w, _ := json.Marshal(want)
-	if string(g) != string(w) {
-		t.Fatalf("descriptor differs\n got %s\nwant %s", g, w)
+	if got.MAC == "" {
+		t.Fatalf("descriptor of %s came back without a seal", got.Name)
+	}
+	g, w := *got, *want
+	g.MAC, w.MAC = "", ""
+	gb, _ := json.Marshal(&g)
+	wb, _ := json.Marshal(&w)
+	if string(gb) != string(wb) {
+		t.Fatalf("descriptor differs\n got %s\nwant %s", gb, wb)
 	}
 }
 
@@ -199,5 +227,66 @@ func testCanceled(t *testing.T, r transfer.Registry) {
 	}
 	if err := r.Put(c, Descriptor("seg:1", "inc-1")); !errors.Is(err, context.Canceled) {
 		t.Fatalf("put with a canceled context: %v, want context.Canceled", err)
+	}
+}
+
+// testForged: values written around the registry (garbage, no seal, a seal
+// of another secret, an altered descriptor, another segment's descriptor)
+// are refused by Get with an error naming the key, wrapping
+// ErrBadDescriptor and neither ErrSegmentNotFound nor ErrRegistry; a good
+// Put then works at once (nothing bad was cached).
+func testForged(t *testing.T, st Store) {
+	r := st.Registry
+	const name = "victim:7000"
+	good := Descriptor(name, "inc-good")
+	sealed := func(d *transfer.Descriptor, s auth.Secret) *transfer.Descriptor {
+		if err := d.Seal(s); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	enc := func(d *transfer.Descriptor) []byte { b, _ := json.Marshal(d); return b }
+	other, _ := auth.New("another-cluster-secret", "test")
+	redirected := sealed(Descriptor(name, "inc-good"), st.Secret)
+	redirected.Addr = "10.6.6.6:6666" // altered after sealing
+	for _, tc := range []struct {
+		what  string
+		value []byte
+		why   string
+	}{
+		{"garbage", []byte("not json at all"), "not a descriptor"},
+		{"empty", []byte("{}"), "name and incarnation are required"},
+		{"unsealed", enc(Descriptor(name, "inc-forged")), "no seal"},
+		{"other secret", enc(sealed(Descriptor(name, "inc-forged"), other)), "does not match"},
+		{"altered", enc(redirected), "does not match"},
+		{"other segment", enc(sealed(Descriptor("other:1", "inc-other"), st.Secret)), `describes segment "other:1"`},
+	} {
+		t.Run(tc.what, func(t *testing.T) {
+			if err := st.Raw(ctx(t), name, tc.value); err != nil {
+				t.Fatalf("raw write: %v", err)
+			}
+			d, err := r.Get(ctx(t), name)
+			var de *transfer.DescriptorError
+			switch {
+			case err == nil:
+				t.Fatalf("forged value accepted: %+v", d)
+			case !errors.Is(err, transfer.ErrBadDescriptor) || !errors.As(err, &de):
+				t.Fatalf("get: %v, want a *DescriptorError wrapping ErrBadDescriptor", err)
+			case errors.Is(err, transfer.ErrSegmentNotFound) || errors.Is(err, transfer.ErrRegistry):
+				t.Fatalf("get: %v also wraps ErrSegmentNotFound or ErrRegistry", err)
+			case !strings.Contains(err.Error(), "mooncake/ram/"+name) || !strings.Contains(de.Key, "mooncake/ram/"+name):
+				t.Fatalf("get: %q (key %q) does not name the key mooncake/ram/%s", err, de.Key, name)
+			case !strings.Contains(err.Error(), tc.why):
+				t.Fatalf("get: %q does not say %q", err, tc.why)
+			}
+			if err := r.Put(ctx(t), good); err != nil {
+				t.Fatal(err)
+			}
+			got, err := r.Get(ctx(t), name)
+			if err != nil {
+				t.Fatalf("get after a good put: %v", err)
+			}
+			same(t, got, good)
+		})
 	}
 }

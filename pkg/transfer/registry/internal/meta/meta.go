@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Key prefixes, as in Mooncake's transfer engine metadata.
@@ -54,14 +55,22 @@ func EncodeRPCMeta(addr string) ([]byte, error) {
 	return json.Marshal(RPCMeta{IPOrHostName: host, RPCPort: p})
 }
 
-// Encode checks d and returns its JSON and rpc_meta values. A descriptor
-// with an Addr that is not host:port gets no rpc_meta (nil).
-func Encode(d *transfer.Descriptor) (desc, rpc []byte, err error) {
+// Encode checks d and returns its JSON, sealed with s (the zero secret
+// keeps d's own seal, if any), and its rpc_meta value. A descriptor with an
+// Addr that is not host:port gets no rpc_meta (nil).
+func Encode(s auth.Secret, d *transfer.Descriptor) (desc, rpc []byte, err error) {
 	if d == nil {
 		return nil, nil, fmt.Errorf("registry: nil descriptor")
 	}
 	if d.Name == "" {
 		return nil, nil, fmt.Errorf("registry: descriptor without a name")
+	}
+	if !s.IsZero() {
+		c := *d // Seal reads the maps and slices, it does not change them
+		if err := c.Seal(s); err != nil {
+			return nil, nil, err
+		}
+		d = &c
 	}
 	desc, err = json.Marshal(d)
 	if err != nil {
@@ -74,4 +83,20 @@ func Encode(d *transfer.Descriptor) (desc, rpc []byte, err error) {
 		}
 	}
 	return desc, rpc, nil
+}
+
+// Secret resolves a registry's secret the way transfer.Config does: the
+// zero secret means the per-user one of this host unless insecure.
+func Secret(s auth.Secret, insecure bool) (auth.Secret, error) {
+	switch {
+	case insecure && !s.IsZero():
+		return auth.Secret{}, fmt.Errorf("registry: config: Insecure with a Secret")
+	case insecure, !s.IsZero():
+		return s, nil
+	}
+	u, err := auth.UserDefault()
+	if err != nil {
+		return auth.Secret{}, fmt.Errorf("registry: no cluster secret given and the per-user one is unavailable: %w", err)
+	}
+	return u, nil
 }
