@@ -40,6 +40,9 @@ gpu-bundle:
 
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzRegionCheck -fuzztime 30s ./pkg/transfer/
+	$(GO) test -run '^$$' -fuzz FuzzServerHandshake -fuzztime 30s ./pkg/transfer/
+	$(GO) test -run '^$$' -fuzz FuzzReadFrame -fuzztime 30s ./pkg/transfer/
+	$(GO) test -run '^$$' -fuzz FuzzDescriptorSeal -fuzztime 30s ./pkg/transfer/
 
 clean:
 	rm -rf bin gpu-bundle

@@ -322,13 +322,13 @@ func (e *Engine) serveConn(conn net.Conn) {
 	h, err := e.serverHandshake(conn)
 	<-e.pending
 	if err != nil {
-		conn.Close()
 		result := "error"
 		var he *handshakeError
 		if errors.As(err, &he) {
 			result = he.result
 		}
 		e.m.handshakes.WithLabelValues(result).Inc()
+		conn.Close()
 		if ok, dropped := e.refusals.allow(time.Now(), 100*time.Millisecond); ok {
 			msg := "handshake failed"
 			if result == "auth_failed" {

@@ -266,7 +266,7 @@ func (e *Engine) clientHandshake(conn net.Conn, addr, kind, want string, describ
 	if _, err := decodeFrame(conn, maxChallengeFrame, &ch); err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) || isReset(err) {
 			return nil, fmt.Errorf("%w: handshake with %s: the peer closed the connection before its challenge "+
-				"(too many connections awaiting authentication there, or not a mooncake-go engine of this version): %v", ErrPeerDead, addr, err)
+				"(busy: too many connections await authentication there; or not a mooncake-go engine of this version): %v", ErrPeerDead, addr, err)
 		}
 		return nil, ioErr("challenge", err)
 	}

@@ -193,11 +193,12 @@ type Host interface {
 	// Self returns a copy of the local descriptor as published now.
 	Self() *Descriptor
 	// Dial connects to peer's engine for a connection of the given kind,
-	// after the handshake (and cluster-token proof). The peer must still be
-	// the incarnation in the descriptor.
+	// after the handshake (both sides proved the cluster secret). The peer
+	// must still be the incarnation in the descriptor.
 	Dial(ctx context.Context, peer *Descriptor, kind string) (net.Conn, error)
-	// Handle routes accepted connections of kind to fn, after the handshake.
-	// fn owns conn.
+	// Handle routes accepted connections of kind to fn, after the handshake
+	// (fn never sees a peer that did not prove the cluster secret). fn owns
+	// conn.
 	Handle(kind string, fn func(conn net.Conn, from Hello))
 	// HoldLocal checks that [addr, addr+n) lies in one local registered
 	// region granting need, and holds the region until its Release:

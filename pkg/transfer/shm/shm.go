@@ -6,7 +6,7 @@
 // engine's incarnation ("@mooncake-shm-<incarnation>"; abstract sockets are
 // per network namespace, which matches the engine's same-machine rule). An
 // initiator first proves itself through the engine's handshake (h.Dial, kind
-// "shm", which checks the cluster token and the incarnation) and receives a
+// "shm", which checks the cluster secret and the incarnation) and receives a
 // one-time ticket on that connection; it presents the ticket on the unix
 // socket, checks the server's proof, then asks for each region's memfd,
 // which comes back with SCM_RIGHTS. It maps every memfd once and caches the

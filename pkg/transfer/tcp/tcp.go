@@ -3,7 +3,7 @@
 //
 // Each peer incarnation gets Config.Lanes data connections ("lanes"),
 // opened through the engine's handshake (connection kind "tcp", so the
-// cluster token is checked before a lane carries a byte). On a lane,
+// cluster secret is proved before a lane carries a byte). On a lane,
 // requests are pipelined: a writer goroutine sends header and payload
 // straight from registered memory with one vectored write (writev) for many
 // requests, and a reader goroutine reads responses, storing the data of

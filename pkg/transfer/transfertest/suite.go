@@ -123,7 +123,7 @@ func Run(t *testing.T, newTransports func() []transfer.Transport) {
 	t.Run("OutOfBounds", func(t *testing.T) { testOutOfBounds(t, newTransports) })
 	t.Run("UnregisteredAfterOpen", func(t *testing.T) { testUnregisteredAfterOpen(t, newTransports) })
 	t.Run("ReadOnly", func(t *testing.T) { testReadOnly(t, newTransports) })
-	t.Run("ClusterToken", func(t *testing.T) { testToken(t, newTransports) })
+	t.Run("Auth", func(t *testing.T) { testAuth(t, newTransports) })
 	t.Run("NotifyProbe", func(t *testing.T) { testNotifyProbe(t, newTransports) })
 	t.Run("ConcurrentFirstNotifies", func(t *testing.T) { testConcurrentNotify(t, newTransports) })
 	t.Run("Restart", func(t *testing.T) { testRestart(t, newTransports) })
@@ -515,31 +515,50 @@ func testReadOnly(t *testing.T, nt func() []transfer.Transport) {
 	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Read, spans, rng, nil, false)
 }
 
-func testToken(t *testing.T, nt func() []transfer.Transport) {
+// testAuth: only peers holding the same cluster secret (or both running
+// without one) reach each other's memory; every other pair fails to open
+// the segment with ErrAuth, and no byte moves.
+func testAuth(t *testing.T, nt func() []transfer.Transport) {
 	withTok := func(tok string) func(*transfer.Config) {
 		return func(c *transfer.Config) { c.Secret = Secret(tok) }
 	}
+	insecure := func(c *transfer.Config) { c.Insecure = true }
 	b := NewNode(t, nt, withTok("secret-secret-secret"))
 	bm := b.Alloc(t, 1<<20, transfer.AccessReadWrite)
 	ctx := context.Background()
-	for _, tok := range []string{"", "wrong-wrong-wrong-wrong"} {
-		a := NewNode(t, nt, withTok(tok))
-		if _, err := a.E.OpenSegment(ctx, b.E.Name()); !errors.Is(err, transfer.ErrAuth) {
-			t.Errorf("token %q: OpenSegment = %v, want ErrAuth", tok, err)
+	for name, mod := range map[string]func(*transfer.Config){
+		"wrong token":       withTok("wrong-wrong-wrong-wrong"),
+		"per-user secret":   nil,
+		"no authentication": insecure,
+	} {
+		a := NewNode(t, nt, mod)
+		_, err := a.E.OpenSegment(ctx, b.E.Name())
+		if !errors.Is(err, transfer.ErrAuth) || !strings.Contains(err.Error(), "authentication failed") || !strings.Contains(err.Error(), "--cluster-token") {
+			t.Errorf("%s: OpenSegment = %v, want ErrAuth saying what to do", name, err)
 		}
 	}
-	// A peer with a token talking to one with the per-user secret is
-	// refused too.
-	c := NewNode(t, nt, nil)
-	if _, err := NewNode(t, nt, withTok("secret-secret-secret")).E.OpenSegment(ctx, c.E.Name()); !errors.Is(err, transfer.ErrAuth) {
-		t.Errorf("token vs per-user secret: OpenSegment = %v, want ErrAuth", err)
+	// An engine without authentication refuses peers that have a secret.
+	c := NewNode(t, nt, insecure)
+	if _, err := NewNode(t, nt, nil).E.OpenSegment(ctx, c.E.Name()); !errors.Is(err, transfer.ErrAuth) {
+		t.Errorf("per-user secret vs none: OpenSegment = %v, want ErrAuth", err)
 	}
-	a := NewNode(t, nt, withTok("secret-secret-secret"))
-	am := a.Alloc(t, 1<<20, transfer.AccessReadWrite)
-	seg := open(t, a.E, b.E.Name())
+	checkBytes(t, "target memory after refused peers", bm.Bytes(), bytesOf(Poison, 1<<20))
 	rng := rand.New(rand.NewPCG(11, 12))
-	spans := layout(rng, 10, 1<<20, func() int { return 1 + rng.IntN(50000) })
-	transferCheck(t, a.E, seg, am.Bytes(), bm.Bytes(), bm.Addr(), transfer.Write, spans, rng, nil, false)
+	for name, pair := range map[string][2]*Node{
+		"same token":           {NewNode(t, nt, withTok("secret-secret-secret")), b},
+		"both unauthenticated": {NewNode(t, nt, insecure), c},
+	} {
+		a, tg := pair[0], pair[1]
+		am := a.Alloc(t, 1<<20, transfer.AccessReadWrite)
+		tm := bm
+		if tg != b {
+			tm = tg.Alloc(t, 1<<20, transfer.AccessReadWrite)
+		}
+		seg := open(t, a.E, tg.E.Name())
+		spans := layout(rng, 10, 1<<20, func() int { return 1 + rng.IntN(50000) })
+		t.Logf("%s", name)
+		transferCheck(t, a.E, seg, am.Bytes(), tm.Bytes(), tm.Addr(), transfer.Write, spans, rng, nil, false)
+	}
 }
 
 // testConcurrentNotify: many notifications at once to a peer with no

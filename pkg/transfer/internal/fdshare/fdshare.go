@@ -3,12 +3,15 @@
 // peers, and to learn when a peer goes away.
 //
 // A Server registers items by id (Add, Remove). An initiator proves itself
-// through the engine's handshake (Host.Dial with the transport's kind,
-// which checks the cluster token and the incarnation) and receives a
-// one-time ticket and a proof on that connection; a Client presents the
-// ticket on the serving side's abstract unix socket (SOCK_SEQPACKET,
-// "@mooncake-<kind>-<incarnation>"), checks the proof, then fetches items,
-// whose fds come back with SCM_RIGHTS. The connection stays open: a revoke
+// through the engine's handshake (Host.Dial with the transport's kind: the
+// cluster secret and the incarnation are checked before the handler that
+// issues tickets runs) and receives a one-time ticket and a proof on that
+// connection; a Client presents the ticket on the serving side's abstract
+// unix socket (SOCK_SEQPACKET, "@mooncake-<kind>-<incarnation>"), checks
+// the proof, then fetches items, whose fds come back with SCM_RIGHTS. The
+// abstract socket has no file permissions: anyone on the machine can
+// connect, and without a ticket gets nothing. The connecting process's pid
+// and uid (SO_PEERCRED) are logged with each admission and refusal. The connection stays open: a revoke
 // packet tells the client an item was removed, and the connection's end
 // (EOF on the reader, a hang-up seen by a zero-timeout poll) marks the peer
 // dead.

@@ -6,13 +6,17 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net"
+	"os"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 	"golang.org/x/sys/unix"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
@@ -192,5 +196,121 @@ func TestConnectChecksVersion(t *testing.T) {
 	r.cl.cfg.Version = 2
 	if err := r.cl.Connect(context.Background()); err == nil {
 		t.Fatal("connected to a peer of another protocol version")
+	}
+}
+
+// rawUnix connects to the server's socket, skipping the engine: what a
+// process that never proved the cluster secret can do.
+func rawUnix(t *testing.T, sock string) *net.UnixConn {
+	t.Helper()
+	c, err := net.Dial("unixpacket", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	return c.(*net.UnixConn)
+}
+
+// readAllFDs reads up to max packets (-1: any number) until the connection
+// ends or times out, and counts the fds that came with them (closing them).
+func readAllFDs(t *testing.T, w *Wire, c *net.UnixConn, max int) (pks []Packet, fds int) {
+	t.Helper()
+	buf := make([]byte, w.MaxPacket()+1)
+	oob := make([]byte, unix.CmsgSpace(4*4))
+	for max < 0 || len(pks) < max {
+		n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
+		if oobn > 0 {
+			msgs, _ := unix.ParseSocketControlMessage(oob[:oobn])
+			for _, m := range msgs {
+				got, _ := unix.ParseUnixRights(&m)
+				fds += len(got)
+			}
+			CloseRights(oob[:oobn])
+		}
+		if err != nil || n == 0 {
+			return pks, fds
+		}
+		p, err := w.Decode(buf[:n])
+		if err != nil {
+			t.Fatalf("bad packet: %v", err)
+		}
+		pks = append(pks, p)
+	}
+	return pks, fds
+}
+
+// TestNoTicketNoFD: a unix connection with a forged ticket, or with a
+// ticket already used, is refused and gets no fd, whatever it asks for;
+// admissions and refusals are logged with the peer's pid and uid.
+func TestNoTicketNoFD(t *testing.T) {
+	core, logs := observer.New(zap.InfoLevel)
+	w := compact
+	host := newFakeHost()
+	srv := NewServer(ServerConfig{Kind: kind, Wire: w})
+	if err := srv.Start(host, zap.New(core)); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { srv.Close(); host.wg.Wait() }()
+	fd := memfd(t, 4096)
+	id, err := srv.Add(Item{FD: fd, Reply: Packet{Size: 4096}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// attempt sends a hello with ticket, reads the answer, then asks for
+	// the item anyway and reads whatever comes until the end (or timeout).
+	attempt := func(ticket []byte, text string, timeout time.Duration) ([]Packet, int) {
+		c := rawUnix(t, srv.Socket())
+		hello := Packet{Type: TypeHello, Text: text}
+		copy(hello.Key[:32], ticket)
+		var buf [MaxPacket]byte
+		if _, _, err := c.WriteMsgUnix(w.Append(buf[:0], &hello), nil, nil); err != nil {
+			t.Fatal(err)
+		}
+		c.SetReadDeadline(time.Now().Add(time.Second))
+		pks, fds := readAllFDs(t, w, c, 1)
+		req := Packet{Type: TypeMapReq, Req: 1, Region: id}
+		c.WriteMsgUnix(w.Append(buf[:0], &req), nil, nil)
+		c.SetReadDeadline(time.Now().Add(timeout))
+		more, n := readAllFDs(t, w, c, -1)
+		return append(pks, more...), fds + n
+	}
+	forged := make([]byte, 32)
+	rand.Read(forged)
+	pks, fds := attempt(forged, "intruder", 5*time.Second)
+	if fds != 0 || len(pks) != 1 || pks[0].Type != TypeWelcome || pks[0].Status == 0 {
+		t.Fatalf("forged ticket: %d fds, packets %+v", fds, pks)
+	}
+	// A ticket handed out on an (authenticated) engine connection admits
+	// one unix connection, once.
+	tc, err := host.Dial(context.Background(), nil, kind)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tc.Close()
+	var tk ticketMsg
+	if err := transfer.ReadFrame(tc, &tk); err != nil {
+		t.Fatal(err)
+	}
+	// The server keeps an admitted connection open: read until a deadline.
+	pks, fds = attempt(tk.Ticket, "initiator-inc", 500*time.Millisecond)
+	if fds != 1 || len(pks) != 2 || pks[0].Status != 0 || pks[1].Type != TypeMapReply {
+		t.Fatalf("valid ticket: %d fds, packets %+v", fds, pks)
+	}
+	pks, fds = attempt(tk.Ticket, "intruder", 5*time.Second)
+	if fds != 0 || len(pks) != 1 || pks[0].Status == 0 {
+		t.Fatalf("used ticket: %d fds, packets %+v", fds, pks)
+	}
+	me := strconv.Itoa(os.Getpid())
+	for msg, n := range map[string]int{"peer admitted": 1, "unix connection refused": 2} {
+		var got int
+		for _, e := range logs.FilterMessageSnippet(msg).All() {
+			if fmt.Sprint(e.ContextMap()["pid"]) == me && fmt.Sprint(e.ContextMap()["uid"]) == strconv.Itoa(os.Getuid()) {
+				got++
+			}
+		}
+		if got != n {
+			t.Errorf("%d %q lines with pid %s and uid %d, want %d: %v", got, msg, me, os.Getuid(), n, logs.All())
+		}
 	}
 }

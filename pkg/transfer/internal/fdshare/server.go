@@ -63,7 +63,7 @@ type Server struct {
 }
 
 // ticket admits one unix connection: the initiator got it on a connection
-// that passed the engine's handshake, so it knows the cluster token and
+// that passed the engine's handshake, so it proved the cluster secret and
 // expects this incarnation.
 type ticket struct {
 	proof [32]byte // what the server answers, so the initiator knows it reached us
@@ -236,7 +236,10 @@ func (s *Server) acceptLoop() {
 			}
 			continue
 		}
-		sc := &servedConn{wire: s.cfg.Wire, conn: c}
+		sc := &servedConn{wire: s.cfg.Wire, conn: c, pid: -1, uid: -1}
+		if cred, err := peerCred(c); err == nil {
+			sc.pid, sc.uid = int(cred.Pid), int(cred.Uid)
+		}
 		s.mu.Lock()
 		if s.closed {
 			s.mu.Unlock()
@@ -259,6 +262,25 @@ type servedConn struct {
 	conn *net.UnixConn
 	wmu  sync.Mutex
 	from string
+	// pid and uid are the connecting process's (SO_PEERCRED; -1 unknown),
+	// for the logs: the ticket, not the uid, decides admission.
+	pid, uid int
+}
+
+// peerCred reads the credentials of the process at the other end.
+func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, cerr
 }
 
 func (c *servedConn) send(p *Packet, fd int) error {
@@ -296,7 +318,7 @@ func (s *Server) serveConn(c *servedConn) {
 	c.conn.SetReadDeadline(time.Now().Add(s.h.Timeout()))
 	p, err := s.cfg.Wire.Read(c.conn, buf)
 	if err != nil || p.Type != TypeHello {
-		s.lg.Warn("unix connection without hello", zap.Error(err))
+		s.lg.Warn("unix connection without hello", zap.Int("pid", c.pid), zap.Int("uid", c.uid), zap.Error(err))
 		return
 	}
 	s.mu.Lock()
@@ -311,7 +333,8 @@ func (s *Server) serveConn(c *servedConn) {
 	}
 	s.mu.Unlock()
 	if !ok {
-		s.lg.Warn("unix connection refused: unknown ticket", zap.String("peer", p.Text))
+		s.lg.Warn("unix connection refused: unknown or used ticket (tickets come only on connections that proved the cluster secret)",
+			zap.String("incarnation", p.Text), zap.Int("pid", c.pid), zap.Int("uid", c.uid))
 		_ = c.send(&Packet{Type: TypeWelcome, Status: 1, Text: "unknown or used ticket"}, -1)
 		return
 	}
@@ -322,7 +345,8 @@ func (s *Server) serveConn(c *servedConn) {
 		return
 	}
 	c.conn.SetReadDeadline(time.Time{})
-	s.lg.Debug("peer connected", zap.String("peer", tc.from), zap.String("incarnation", p.Text))
+	s.lg.Info("peer admitted", zap.String("peer", tc.from), zap.String("incarnation", p.Text),
+		zap.Int("pid", c.pid), zap.Int("uid", c.uid))
 	for {
 		p, err := s.cfg.Wire.Read(c.conn, buf)
 		if err != nil {
