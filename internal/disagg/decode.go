@@ -236,8 +236,11 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 				zap.Float64("transfer_seconds", res.TransferSeconds), zap.Duration("wait", time.Since(waitStart)))
 			return nil
 		case <-hb.C:
-			inc, herr := d.health(wctx, boot)
+			inc, roomErr, herr := d.health(wctx, boot, room)
 			switch {
+			case herr == nil && roomErr != "":
+				releaseAll() // the prefill buried the room: no transfer of it is in flight
+				return fmt.Errorf("prefill %s failed the room: %s", boot, roomErr)
 			case herr == nil && inc != info.Incarnation:
 				releaseAll() // a restarted prefill will never write into these pages
 				return fmt.Errorf("%w: %s restarted (incarnation %s, was %s)", ErrPrefillUnreachable, boot, inc, info.Incarnation)
@@ -311,22 +314,25 @@ func (d *Decode) prefillInfo(ctx context.Context, boot string) (Info, error) {
 	return info, nil
 }
 
-func (d *Decode) health(ctx context.Context, boot string) (string, error) {
+// health returns the prefill's incarnation and, if the prefill failed the
+// room, why.
+func (d *Decode) health(ctx context.Context, boot string, room uint64) (inc, roomErr string, err error) {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.Heartbeat*2)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, boot+"/bootstrap/health", nil)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, boot+"/bootstrap/health?room="+strconv.FormatUint(room, 10), nil)
 	resp, err := d.client.Do(req)
 	if err != nil {
-		return "", err
+		return "", "", err
 	}
 	defer resp.Body.Close()
 	var h struct {
 		Incarnation string `json:"incarnation"`
+		RoomError   string `json:"room_error"`
 	}
 	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil {
-		return "", err
+		return "", "", err
 	}
-	return h.Incarnation, nil
+	return h.Incarnation, h.RoomError, nil
 }
 
 func (d *Decode) post(ctx context.Context, url string, v any) error {

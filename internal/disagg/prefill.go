@@ -98,7 +98,18 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /bootstrap/info", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, p.cfg.Info) })
 	mux.HandleFunc("GET /bootstrap/health", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, 200, map[string]string{"incarnation": p.cfg.Info.Incarnation})
+		h := map[string]string{"incarnation": p.cfg.Info.Incarnation}
+		// ?room=N adds why room N failed here, if it did: a decode that
+		// cannot be notified (its descriptor is unusable, say) learns it.
+		if id, err := strconv.ParseUint(r.URL.Query().Get("room"), 10, 64); err == nil {
+			p.mu.Lock()
+			t, failed := p.failed[id]
+			p.mu.Unlock()
+			if failed {
+				h["room_error"] = t.reason
+			}
+		}
+		writeJSON(w, 200, h)
 	})
 	mux.HandleFunc("POST /bootstrap/rooms", p.handleRoom)
 	mux.HandleFunc("POST /bootstrap/cancel", p.handleCancel)
