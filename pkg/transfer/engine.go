@@ -318,6 +318,10 @@ func (e *Engine) acceptLoop() {
 // the pending tokens until the verdict), then hands it to its kind's
 // handler.
 func (e *Engine) serveConn(conn net.Conn) {
+	// Close the connection when the engine closes, so neither a handshake
+	// nor a handler outlives it.
+	stop := context.AfterFunc(e.ctx, func() { conn.Close() })
+	defer stop()
 	conn.SetDeadline(time.Now().Add(proofTime))
 	h, err := e.serverHandshake(conn)
 	<-e.pending
@@ -344,9 +348,6 @@ func (e *Engine) serveConn(conn net.Conn) {
 	e.mu.RLock()
 	fn := e.handlers[h.Kind]
 	e.mu.RUnlock()
-	// Close the connection when the engine closes, so handlers return.
-	stop := context.AfterFunc(e.ctx, func() { conn.Close() })
-	defer stop()
 	fn(conn, h)
 }
 

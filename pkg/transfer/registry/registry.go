@@ -9,6 +9,11 @@
 //	                          process's segment disappears after the TTL)
 //	http://host:port/metadata a Mooncake HTTP metadata server (no leases)
 //
+// Every registry seals the descriptors it writes with the cluster secret
+// (Options.Secret) and refuses, with transfer.ErrBadDescriptor naming the
+// key, those it reads whose seal does not check out; the HTTP client also
+// signs its requests.
+//
 // The core (pkg/transfer) does not import this package; internal/cli does.
 package registry
 
