@@ -822,6 +822,34 @@ func TestTransferFails(t *testing.T) {
 	}
 }
 
+// TestUnreachableDecodeSegment: the prefill cannot open the decode's
+// segment (so it can neither push nor notify); decode learns why through
+// the bootstrap server's health check, not by waiting for its timeout.
+func TestUnreachableDecodeSegment(t *testing.T) {
+	x := newPD(t, pdOpts{decodeTimeout: 10 * time.Second, heartbeat: 50 * time.Millisecond})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := ln.Addr().String()
+	ln.Close()
+	x.d.cfg.Info.Segment = gone // what decode registers the room with
+	ch := x.prepareDecode(context.Background(), &engine.Request{InputIDs: make([]int, 13)}, x.p.Port(), 12)
+	preq := &engine.Request{InputIDs: make([]int, 13)}
+	if err := x.p.Prepare(context.Background(), preq, 12); err != nil {
+		t.Fatal(err)
+	}
+	f := x.pre.startPrefill(t, preq.Prefill, 13)
+	f.chunk(preq.Prefill, 0, 13)
+	f.done(preq.Prefill, 1, 0, nil)
+	res := wait(t, ch, 3*time.Second)
+	mustContain(t, res.err, "failed the room", "open decode segment "+gone)
+	f.waitReleased(t, 2*time.Second)
+	if x.dec.pages.Free() != testLayout.Pages {
+		t.Fatalf("decode free pages %d, want %d", x.dec.pages.Free(), testLayout.Pages)
+	}
+}
+
 // TestPrefillAborted: the engine aborts the prefill request (client gone);
 // decode learns it at once.
 func TestPrefillAborted(t *testing.T) {
