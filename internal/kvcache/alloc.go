@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync"
@@ -16,11 +17,22 @@ type Allocator struct {
 	mu   sync.Mutex
 	refs []int32 // per page; 0 = free
 	free []int32 // stack of free pages
+	// waiters are TakeWait calls in arrival order; while any waits, Alloc
+	// does not overtake them.
+	waiters []*waiter
+	// changed is closed (and replaced) whenever pages become free.
+	changed chan struct{}
+}
+
+type waiter struct {
+	n     int
+	ready chan struct{} // closed once pages is set
+	pages []int32
 }
 
 // NewAllocator returns an allocator over pages 0..n-1, all free.
 func NewAllocator(n int) *Allocator {
-	a := &Allocator{refs: make([]int32, n), free: make([]int32, n)}
+	a := &Allocator{refs: make([]int32, n), free: make([]int32, n), changed: make(chan struct{})}
 	for i := range a.free {
 		a.free[i] = int32(n - 1 - i) // pop order 0,1,2,...
 	}
@@ -28,16 +40,23 @@ func NewAllocator(n int) *Allocator {
 }
 
 // Alloc takes n free pages, each with a reference count of one. It takes all
-// or nothing.
+// or nothing, and fails while TakeWait calls are waiting (no overtaking).
 func (a *Allocator) Alloc(n int) ([]int32, error) {
 	if n < 0 {
 		return nil, fmt.Errorf("kvcache: alloc of %d pages", n)
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if len(a.waiters) > 0 {
+		return nil, fmt.Errorf("%w: want %d, %d free of %d, %d reservations waiting ahead", ErrOutOfPages, n, len(a.free), len(a.refs), len(a.waiters))
+	}
 	if n > len(a.free) {
 		return nil, fmt.Errorf("%w: want %d, %d free of %d", ErrOutOfPages, n, len(a.free), len(a.refs))
 	}
+	return a.allocLocked(n), nil
+}
+
+func (a *Allocator) allocLocked(n int) []int32 {
 	k := len(a.free) - n
 	pages := make([]int32, n)
 	for i := range pages {
@@ -49,7 +68,39 @@ func (a *Allocator) Alloc(n int) ([]int32, error) {
 	if invariants {
 		a.checkLocked()
 	}
-	return pages, nil
+	return pages
+}
+
+// Changed returns a channel closed the next time pages become free: a
+// caller that found the pool full waits on it instead of polling.
+func (a *Allocator) Changed() <-chan struct{} {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.changed
+}
+
+// Waiting is the number of TakeWait calls waiting for pages.
+func (a *Allocator) Waiting() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.waiters)
+}
+
+// freedLocked serves waiting TakeWait calls in order while the head fits,
+// then tells Changed's waiters.
+func (a *Allocator) freedLocked() {
+	for len(a.waiters) > 0 && a.waiters[0].n <= len(a.free) {
+		w := a.waiters[0]
+		a.waiters[0] = nil
+		a.waiters = a.waiters[1:]
+		w.pages = a.allocLocked(w.n)
+		close(w.ready)
+	}
+	if len(a.waiters) == 0 {
+		a.waiters = nil
+	}
+	close(a.changed)
+	a.changed = make(chan struct{})
 }
 
 // Retain adds a reference to each page, which must be in use.
@@ -77,14 +128,19 @@ func (a *Allocator) Release(pages []int32) error {
 			return err
 		}
 	}
+	freed := false
 	for _, p := range pages {
 		a.refs[p]--
 		if a.refs[p] == 0 {
 			a.free = append(a.free, p)
+			freed = true
 		}
 	}
 	if invariants {
 		a.checkLocked()
+	}
+	if freed {
+		a.freedLocked()
 	}
 	return nil
 }
@@ -125,3 +181,113 @@ func (a *Allocator) Free() int {
 
 // Total is the number of pages in the pool.
 func (a *Allocator) Total() int { return len(a.refs) }
+
+// Table is a page table with one owner: the pages it holds stay allocated
+// until Release, which is idempotent. Whoever holds a *Table answers for it;
+// handing the pointer on (to the engine, with a request) hands on that duty.
+// A Table is safe for concurrent use.
+type Table struct {
+	a    *Allocator
+	mu   sync.Mutex
+	ids  []int32
+	done bool
+}
+
+// Take reserves n free pages as a new table, without waiting.
+func (a *Allocator) Take(n int) (*Table, error) {
+	ids, err := a.Alloc(n)
+	if err != nil {
+		return nil, err
+	}
+	return &Table{a: a, ids: ids}, nil
+}
+
+// TakeWait reserves n pages as a new table, waiting for them in arrival
+// order (a request that does not fit yet keeps its place; later ones do not
+// overtake it) until ctx ends. n beyond the pool fails at once.
+func (a *Allocator) TakeWait(ctx context.Context, n int) (*Table, error) {
+	if n < 0 || n > len(a.refs) {
+		return nil, fmt.Errorf("%w: want %d pages, the pool has %d", ErrOutOfPages, n, len(a.refs))
+	}
+	a.mu.Lock()
+	if len(a.waiters) == 0 && n <= len(a.free) {
+		ids := a.allocLocked(n)
+		a.mu.Unlock()
+		return &Table{a: a, ids: ids}, nil
+	}
+	w := &waiter{n: n, ready: make(chan struct{})}
+	a.waiters = append(a.waiters, w)
+	a.mu.Unlock()
+	select {
+	case <-w.ready:
+		return &Table{a: a, ids: w.pages}, nil
+	case <-ctx.Done():
+	}
+	a.mu.Lock()
+	select {
+	case <-w.ready: // granted meanwhile: give the pages back
+		a.mu.Unlock()
+		a.Release(w.pages)
+	default:
+		for i, x := range a.waiters {
+			if x == w {
+				a.waiters = append(a.waiters[:i], a.waiters[i+1:]...)
+				break
+			}
+		}
+		if len(a.waiters) > 0 {
+			a.freedLocked() // the next ones may fit now that this one left
+		}
+		a.mu.Unlock()
+	}
+	return nil, fmt.Errorf("%w: waited for %d pages: %w", ErrOutOfPages, n, context.Cause(ctx))
+}
+
+// NewTable returns an empty table of a's pages.
+func (a *Allocator) NewTable() *Table { return &Table{a: a} }
+
+// Grow appends n fresh pages, without waiting; all or nothing.
+func (t *Table) Grow(n int) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		return errors.New("kvcache: grow of a released page table")
+	}
+	ids, err := t.a.Alloc(n)
+	if err != nil {
+		return err
+	}
+	t.ids = append(t.ids, ids...)
+	return nil
+}
+
+// IDs are the table's pages in order. The slice is shared: do not modify
+// it, and do not use it after Release.
+func (t *Table) IDs() []int32 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.ids
+}
+
+// Len is the number of pages.
+func (t *Table) Len() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return len(t.ids)
+}
+
+// Release hands every page back (once; later calls and a nil table do
+// nothing).
+func (t *Table) Release() error {
+	if t == nil {
+		return nil
+	}
+	t.mu.Lock()
+	ids, done := t.ids, t.done
+	t.ids, t.done = nil, true
+	t.mu.Unlock()
+	if done || len(ids) == 0 {
+		return nil
+	}
+	return t.a.Release(ids)
+}
