@@ -37,7 +37,7 @@ type serveFlags struct {
 	memFraction                          float64
 	maxTotalTokens, maxRunning, chunked  int
 	threads                              int
-	disaggTimeout                        time.Duration
+	disaggTimeout, maxQueueWait          time.Duration
 	pushByLayer                          bool
 	seed                                 int64
 	debugFault                           string
@@ -67,7 +67,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.bootstrapPort, "disaggregation-bootstrap-port", 8998, "prefill bootstrap server port (0 picks a free one)")
 	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink or rdma")
 	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", "RDMA device (rdma backend)")
-	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait")
+	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait, from when its pages are reserved")
+	fl.DurationVar(&f.maxQueueWait, "max-queue-wait", engine.DefaultMaxQueueWait, "bound on a request's wait for KV pages in the admission queue")
 	fl.BoolVar(&f.pushByLayer, "disaggregation-push-by-layer", false, "prefill: push each layer's KV as soon as the layer is computed, overlapping the push with the rest of the pass")
 	fl.IntVar(&f.transferPort, "transfer-port", 0, "transfer engine port (0 picks a free one; the segment name is host:port)")
 	fl.StringVar(&f.metadata, "metadata-server", "p2p", "p2p, embedded, etcd://host:port or http://host:port/metadata")
@@ -309,7 +310,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	layout, ps := be.layout, be.layout.PageSize
 	eng, err := engine.New(engine.Config{
 		Model: be.model, Pages: be.pages, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
-		ChunkedPrefillSize: f.chunked, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
+		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
 		return err
@@ -327,8 +328,8 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	switch f.mode {
 	case "prefill":
 		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
-			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, Logger: lg, Registerer: reg,
-			FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
+			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait,
+			Secret: secret, Logger: lg, Registerer: reg, FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
 		if err != nil {
 			return err
 		}
@@ -341,8 +342,8 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			return pf.Prepare(ctx, req, b.Room)
 		}
 	case "decode":
-		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages,
-			Timeout: f.disaggTimeout, Logger: lg, Registerer: reg})
+		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages, PagesFor: eng.KVPages,
+			Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait, Secret: secret, Logger: lg, Registerer: reg})
 		if err != nil {
 			return err
 		}
@@ -352,11 +353,11 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			if b.Host == "" || b.Port == 0 {
 				return &server.Error{Status: 400, Message: "bootstrap_host and bootstrap_port are required on a decode server"}
 			}
-			return httpStatus(d.Prepare(ctx, req, b.Host, b.Port, b.Room))
+			return d.Prepare(ctx, req, b.Host, b.Port, b.Room)
 		}
 	}
 	srv, err := server.New(server.Config{
-		Generator: preloadGuard{eng, be.pages}, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
+		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
 		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()
@@ -375,17 +376,4 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
-}
-
-// httpStatus gives decode-side disaggregation errors their HTTP status.
-func httpStatus(err error) error {
-	for _, m := range []struct {
-		err  error
-		code int
-	}{{disagg.ErrKVTimeout, 504}, {disagg.ErrPoolFull, 503}, {disagg.ErrPrefillUnreachable, 502}, {disagg.ErrDecodeClosing, 503}} {
-		if errors.Is(err, m.err) {
-			return &server.Error{Status: m.code, Message: err.Error(), Err: err}
-		}
-	}
-	return err
 }

@@ -61,7 +61,9 @@ func (rn *run) submit(ctx context.Context, req *engine.Request, boot *Bootstrap,
 	}
 	if boot != nil {
 		req.Room = boot.Room
-		if p := rn.s.cfg.PrepareDisagg; p != nil {
+		// Zero new tokens need no KV on either side: both answer at once,
+		// so no room is opened that the other side would never join.
+		if p := rn.s.cfg.PrepareDisagg; p != nil && !maxZero {
 			if err := p(ctx, req, *boot); err != nil {
 				return asError(fmt.Errorf("disaggregation: %w", err))
 			}
