@@ -15,7 +15,7 @@ import (
 // than the bootstrap and KV bound: that bound starts once the pages are
 // reserved. Past QueueWait the room fails as pool_full (503).
 func TestDecodeQueuesForPages(t *testing.T) {
-	const bound = 300 * time.Millisecond
+	const bound = time.Second
 	x := newPD(t, pdOpts{decodeTimeout: bound, prefillTimeout: bound, queueWait: 5 * time.Second})
 	hold, err := x.dec.pages.Take(testLayout.Pages)
 	if err != nil {
@@ -64,7 +64,7 @@ func TestDecodeQueuesForPages(t *testing.T) {
 // TestDecodeWaitsWhilePrefillQueued: the decode's KV bound restarts while
 // the prefill reports the room still queued for its own pages.
 func TestDecodeWaitsWhilePrefillQueued(t *testing.T) {
-	const bound = 300 * time.Millisecond
+	const bound = 600 * time.Millisecond
 	x := newPD(t, pdOpts{decodeTimeout: bound, heartbeat: 50 * time.Millisecond})
 	dreq := &engine.Request{InputIDs: make([]int, 9)}
 	ch := x.prepareDecode(context.Background(), dreq, x.p.Port(), 41)
