@@ -61,7 +61,8 @@ type Decode struct {
 
 	mu    sync.Mutex
 	rooms map[uint64]chan Result
-	wg    sync.WaitGroup // Prepares in flight
+	infos map[string]Info // prefill bootstrap URL -> its info, until it restarts
+	wg    sync.WaitGroup  // Prepares in flight
 	// ctx ends at Close (cancel, under mu): Prepare refuses new rooms and
 	// the ones waiting end.
 	ctx    context.Context
@@ -97,7 +98,7 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	}
 	cctx, cancel := context.WithCancel(context.Background())
 	return &Decode{cfg: cfg, lg: lg.Named("disagg.decode"), m: newMetrics(cfg.Registerer, "decode"), aux: aux,
-		rooms: map[uint64]chan Result{}, ctx: cctx, cancel: cancel,
+		rooms: map[uint64]chan Result{}, infos: map[string]Info{}, ctx: cctx, cancel: cancel,
 		client: &http.Client{Transport: &http.Transport{
 			DialContext: (&net.Dialer{Timeout: 2 * time.Second}).DialContext, MaxIdleConnsPerHost: 64,
 			ResponseHeaderTimeout: 5 * time.Second,
@@ -230,23 +231,38 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 	// The bootstrap and KV bound starts now that the pages are ours.
 	deadline := time.Now().Add(d.cfg.Timeout)
 	bctx, bcancel := context.WithDeadline(ctx, deadline)
-	info, err := d.prefillInfo(bctx, boot)
-	if err == nil {
-		err = d.cfg.Info.Check(info)
-		if err != nil {
-			err = roomErr(room, ReasonMismatch, fmt.Errorf("prefill %s: %w", boot, err))
-		}
+	forget := func() { // the prefill may have changed: ask it next time
+		d.mu.Lock()
+		delete(d.infos, boot)
+		d.mu.Unlock()
 	}
 	ps := d.cfg.Info.Layout.PageSize
 	prompt := (len(req.InputIDs) + ps - 1) / ps
-	if err == nil {
-		rr := RoomRequest{Room: room, Decode: d.cfg.Info, Pages: table.IDs()[:prompt], AuxAddr: d.aux.addr(slot), Tokens: len(req.InputIDs)}
-		if err = d.post(bctx, boot+"/bootstrap/rooms", rr); err != nil {
-			err = fmt.Errorf("register room with prefill %s: %w", boot, err)
+	var info Info
+	// Two tries: a remembered info may belong to a prefill that restarted
+	// since, which refuses the registration as meant for another process.
+	for try := 0; try < 2; try++ {
+		if info, err = d.prefillInfo(bctx, boot); err != nil {
+			break
+		}
+		if err = d.cfg.Info.Check(info); err != nil {
+			err = roomErr(room, ReasonMismatch, fmt.Errorf("prefill %s: %w", boot, err))
+			break
+		}
+		rr := RoomRequest{Room: room, Decode: d.cfg.Info, Pages: table.IDs()[:prompt], AuxAddr: d.aux.addr(slot),
+			Tokens: len(req.InputIDs), Want: info.Incarnation}
+		if err = d.post(bctx, boot+"/bootstrap/rooms", rr); err == nil {
+			break
+		}
+		err = fmt.Errorf("register room with prefill %s: %w", boot, err)
+		forget()
+		if reasonOf(err, "") != ReasonPeerDead {
+			break
 		}
 	}
 	bcancel()
 	if err != nil {
+		forget()
 		releaseAll()
 		if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
 			return why(ReasonBootstrapTimeout, fmt.Errorf("bootstrap with prefill %s within %v: %w", boot, d.cfg.Timeout, err))
@@ -285,6 +301,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			h, herr := d.health(ctx, boot, room)
 			switch {
 			case herr == nil && h.Incarnation != info.Incarnation:
+				forget()
 				releaseAll() // a restarted prefill will never write into these pages
 				return roomErr(room, ReasonPeerDead, fmt.Errorf("%w: %s restarted (incarnation %s, was %s)", ErrPrefillUnreachable, boot, h.Incarnation, info.Incarnation))
 			case herr != nil && errors.Is(herr, ErrAuth):
@@ -352,10 +369,22 @@ func (d *Decode) cancelRemote(boot string, room uint64, lg *zap.Logger) {
 	}
 }
 
+// prefillInfo is the prefill's info, asked once per prefill incarnation
+// (the heartbeats and a failed registration notice a change).
 func (d *Decode) prefillInfo(ctx context.Context, boot string) (Info, error) {
-	var info Info
-	err := d.call(ctx, http.MethodGet, boot+"/bootstrap/info", nil, &info)
-	return info, err
+	d.mu.Lock()
+	info, ok := d.infos[boot]
+	d.mu.Unlock()
+	if ok {
+		return info, nil
+	}
+	if err := d.call(ctx, http.MethodGet, boot+"/bootstrap/info", nil, &info); err != nil {
+		return info, err
+	}
+	d.mu.Lock()
+	d.infos[boot] = info
+	d.mu.Unlock()
+	return info, nil
 }
 
 type health struct {

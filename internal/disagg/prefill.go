@@ -257,6 +257,10 @@ func (p *Prefill) handleRoom(_ *http.Request, body []byte) (int, any) {
 	if err := json.Unmarshal(body, &rr); err != nil {
 		return 400, errBody("bad room registration: "+err.Error(), 400)
 	}
+	if rr.Want != "" && rr.Want != p.cfg.Info.Incarnation {
+		e := roomErr(rr.Room, ReasonPeerDead, fmt.Errorf("the room is meant for prefill incarnation %s; this is %s (restarted)", rr.Want, p.cfg.Info.Incarnation))
+		return 409, roomErrBody(e, 409)
+	}
 	if err := p.cfg.Info.Check(rr.Decode); err != nil {
 		e := roomErr(rr.Room, ReasonMismatch, fmt.Errorf("prefill refuses the room: %w", err))
 		p.m.failures.WithLabelValues("prefill", string(e.Reason)).Inc()

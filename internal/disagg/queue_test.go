@@ -3,6 +3,7 @@ package disagg
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"testing"
 	"time"
@@ -127,4 +128,41 @@ func TestFailureReasons(t *testing.T) {
 	if knownReason("from-a-newer-peer") != ReasonTransfer {
 		t.Error("an unknown reason from the wire was kept")
 	}
+}
+
+// TestPrefillRestartedSamePort: decode remembers a prefill's info; when a
+// new prefill process answers on the same port, the first registration is
+// refused as meant for the old one and the room goes through with the new
+// one's info.
+func TestPrefillRestartedSamePort(t *testing.T) {
+	x := newPD(t, pdOpts{})
+	run := func(p *Prefill, room uint64) {
+		t.Helper()
+		dreq := &engine.Request{InputIDs: make([]int, 9)}
+		ch := x.prepareDecode(context.Background(), dreq, p.Port(), room)
+		preq := &engine.Request{InputIDs: make([]int, 9)}
+		if err := p.Prepare(context.Background(), preq, room); err != nil {
+			t.Fatal(err)
+		}
+		f := x.pre.startPrefill(t, preq.Prefill, 9)
+		f.chunk(preq.Prefill, 0, 9)
+		f.done(preq.Prefill, 5, 0, nil)
+		if res := wait(t, ch, 3*time.Second); res.err != nil {
+			t.Fatalf("room %d: %v", room, res.err)
+		}
+		dreq.Preloaded.Table.Release()
+		f.waitReleased(t, time.Second)
+	}
+	run(x.p, 61)
+	port := x.p.Port()
+	x.p.Close()
+	info := x.pre.info
+	info.Incarnation = "restarted"
+	p2, err := NewPrefill(context.Background(), PrefillConfig{Transfer: x.pre.te, Info: info,
+		Listen: fmt.Sprintf("127.0.0.1:%d", port), AuxSlots: 8, Secret: testSecret})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p2.Close()
+	run(p2, 62)
 }

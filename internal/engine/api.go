@@ -91,11 +91,12 @@ type PrefillLayerHook interface {
 	Layer(l, tokensDone int, ready compute.Fence)
 }
 
-// PrefillGate is an optional PrefillHook method: the request is not
-// admitted (it reserves no pages and does not block the queue) until the
-// channel is closed, for example until the decode side has said where the
-// KV goes. A request still gated after the hook aborts it (PrefillAborter)
-// is finished as aborted.
+// PrefillGate is an optional PrefillHook method: until the channel is
+// closed (for example until the decode side has said where the KV goes) the
+// request does not block the queue and is admitted only if the pool keeps a
+// quarter of its pages free after it, so requests whose gates are open never
+// wait behind pages held for ones that may wait long. A gated request that
+// the hook aborts (PrefillAborter) is finished as aborted.
 type PrefillGate interface {
 	Ready() <-chan struct{}
 }

@@ -25,33 +25,51 @@ func (h *gatedHook) Aborted() error {
 }
 
 // TestPrefillGate: a gated prefill request reserves nothing and does not
-// hold up the queue; once its gate opens it runs; a room that fails while
+// hold up the queue while the pool is short; it is admitted early once the
+// pool has room to spare, or when its gate opens; a room that fails while
 // gated ends the request with the room's error.
 func TestPrefillGate(t *testing.T) {
-	te := startEngine(t, 8, 4, nil)
+	te := startEngine(t, 16, 4, nil)
+	hold, _ := te.pages.Take(10) // 6 free: 3 for the gated one would leave less than a quarter
 	h := &gatedHook{recHook: newRecHook(), open: make(chan struct{})}
-	ch, err := te.Submit(context.Background(), &Request{InputIDs: ids("gated prompt"), Prefill: h})
+	ch, err := te.Submit(context.Background(), &Request{InputIDs: ids("gated prompt"), Prefill: h}) // 3 pages
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A later colocated request goes past it, with every page but the
-	// gated one's needs... and more: the gate reserves nothing.
-	r := te.generate(t, &Request{InputIDs: ids("other"), Params: SamplingParams{MaxNewTokens: 20, IgnoreEOS: true}})
+	// A later colocated request goes past it.
+	r := te.generate(t, &Request{InputIDs: ids("ab"), Params: SamplingParams{MaxNewTokens: 5, IgnoreEOS: true}})
 	if r.finish.Type != "length" {
 		t.Fatalf("request behind a gated one: %+v", r.finish)
 	}
 	if c := h.called(); len(c) != 0 {
-		t.Fatalf("gated hook was called before its gate opened: %v", c)
+		t.Fatalf("gated hook was called while the pool was short and the gate shut: %v", c)
 	}
-	if s := te.Stats(); s.Queued != 1 || s.FreePages != 8 {
+	if s := te.Stats(); s.Queued != 1 || s.FreePages != 6 {
 		t.Fatalf("gated request: %+v, want it queued holding no page", s)
 	}
+	hold.Release() // room to spare: admitted before its gate opens
+	waitFor(t, "early admission", func() bool { return len(h.called()) > 0 })
 	close(h.open)
 	h.wait(t)
-	if pr := collect(t, ch); pr.finish.Type != "stop" || h.err != nil || !slices.Equal(h.called()[:1], []string{"pages"}) {
-		t.Fatalf("after the gate opened: finish %+v, hook %v err %v", pr.finish, h.called(), h.err)
+	if pr := collect(t, ch); pr.finish.Type != "stop" || h.err != nil || h.called()[0] != "pages" {
+		t.Fatalf("gated request: finish %+v, hook %v err %v", pr.finish, h.called(), h.err)
 	}
 	h.release()
+
+	// Short pool, gate opens: admitted then.
+	hold, _ = te.pages.Take(10)
+	h1 := &gatedHook{recHook: newRecHook(), open: make(chan struct{})}
+	ch1, _ := te.Submit(context.Background(), &Request{InputIDs: ids("gated prompt"), Prefill: h1})
+	time.Sleep(20 * time.Millisecond)
+	if c := h1.called(); len(c) != 0 {
+		t.Fatalf("admitted with a short pool and a shut gate: %v", c)
+	}
+	close(h1.open)
+	h1.wait(t)
+	if pr := collect(t, ch1); pr.finish.Type != "stop" || h1.err != nil {
+		t.Fatalf("after the gate opened: finish %+v, err %v", pr.finish, h1.err)
+	}
+	h1.release()
 
 	// Failing while gated: the room's error ends it, no page was taken.
 	h2 := &gatedHook{recHook: newRecHook(), open: make(chan struct{})}
@@ -68,7 +86,8 @@ func TestPrefillGate(t *testing.T) {
 	if r := collect(t, ch2); r.finish.Type != "abort" || !errors.Is(h2.err, boom) || slices.Contains(h2.called(), "pages") {
 		t.Fatalf("failed while gated: finish %+v, hook err %v, calls %v", r.finish, h2.err, h2.called())
 	}
-	waitFor(t, "pages to return", func() bool { return te.pages.Free() == 8 })
+	hold.Release()
+	waitFor(t, "pages to return", func() bool { return te.pages.Free() == 16 })
 }
 
 // TestQueueWait: a request that cannot get its pages ends with

@@ -79,7 +79,8 @@ func (e *Engine) compact() {
 
 // admit moves queued requests into the running batch, FIFO, while there is
 // a slot and the head's pages can be allocated. A request waiting for its
-// PrefillGate is passed over (it is not waiting for pages); one that waited
+// PrefillGate is passed over (it is not waiting for pages) unless the pool
+// has room to spare; one that waited
 // MaxQueueWait for pages, or whose hook aborted it, is finished. It returns
 // when the oldest waiting request's bound passes (zero if none waits).
 func (e *Engine) admit() (next time.Time) {
@@ -95,6 +96,17 @@ func (e *Engine) admit() (next time.Time) {
 			continue
 		}
 		if s.gated(now) {
+			// Waiting for its peer, not for pages: admitted early only
+			// while the pool can afford it (a quarter of it stays for
+			// requests whose peers are ready, so rooms admitted early can
+			// never starve them).
+			if !blocked && len(e.running) < e.cfg.MaxRunningRequests &&
+				e.pages.Free()-s.needPages >= e.pages.Total()/4 && s.table.Grow(s.needPages) == nil {
+				s.needPages = 0
+				e.running = append(e.running, s)
+				admitted = append(admitted, s)
+				continue
+			}
 			kept = append(kept, s)
 			continue
 		}
