@@ -215,7 +215,7 @@ func errBody(msg string, code int) map[string]any {
 
 // roomErrBody is a failure's JSON answer, with the reason for the decode.
 func roomErrBody(e *RoomError, code int) map[string]any {
-	return map[string]any{"error": map[string]any{"message": e.Error(), "code": code, "reason": e.Reason}}
+	return map[string]any{"error": map[string]any{"message": e.Err.Error(), "code": code, "reason": e.Reason}}
 }
 
 func (p *Prefill) handleHealth(r *http.Request, _ []byte) (int, any) {

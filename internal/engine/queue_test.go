@@ -71,9 +71,10 @@ func TestPrefillGate(t *testing.T) {
 	}
 	h1.release()
 
-	// Failing while gated: the room's error ends it, no page was taken.
+	// Failing while gated (the pool still short): the room's error ends
+	// it, no page was taken.
 	h2 := &gatedHook{recHook: newRecHook(), open: make(chan struct{})}
-	ch2, err := te.Submit(context.Background(), &Request{InputIDs: ids("gated"), Prefill: h2})
+	ch2, err := te.Submit(context.Background(), &Request{InputIDs: ids("gated prompt"), Prefill: h2})
 	if err != nil {
 		t.Fatal(err)
 	}
