@@ -261,6 +261,21 @@ func (t *Table) Grow(n int) error {
 	return nil
 }
 
+// Share appends pages another owner holds (a cached prefix), taking a
+// reference on each.
+func (t *Table) Share(pages []int32) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		return errors.New("kvcache: share into a released page table")
+	}
+	if err := t.a.Retain(pages); err != nil {
+		return err
+	}
+	t.ids = append(t.ids, pages...)
+	return nil
+}
+
 // IDs are the table's pages in order. The slice is shared: do not modify
 // it, and do not use it after Release.
 func (t *Table) IDs() []int32 {
