@@ -29,7 +29,7 @@ type Radix struct {
 type radixNode struct {
 	parent   *radixNode
 	children map[string]*radixNode // by the first block of the child's edge (blockKey)
-	tokens   []int32              // the edge: len(pages)*pageSize tokens
+	tokens   []int32               // the edge: len(pages)*pageSize tokens
 	pages    []int32
 	users    int // matches in use through this node
 	used     uint64
@@ -123,7 +123,7 @@ func (r *Radix) common(a, b []int32) int {
 // split cuts c after k blocks and returns the upper part (mu held).
 func (r *Radix) split(c *radixNode, k int) *radixNode {
 	ps := r.pageSize
-	up := &radixNode{parent: c.parent, children: map[string]*radixNode{}, tokens: c.tokens[:k*ps:k*ps],
+	up := &radixNode{parent: c.parent, children: map[string]*radixNode{}, tokens: c.tokens[: k*ps : k*ps],
 		pages: c.pages[:k:k], users: c.users, used: c.used}
 	c.parent.children[r.key(up.tokens)] = up
 	c.tokens, c.pages, c.parent = c.tokens[k*ps:], c.pages[k:], up
