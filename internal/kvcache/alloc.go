@@ -22,6 +22,9 @@ type Allocator struct {
 	waiters []*waiter
 	// changed is closed (and replaced) whenever pages become free.
 	changed chan struct{}
+	// reclaim, if set, is asked to give n pages back (a prefix cache
+	// evicting) when an allocation falls short; it returns how many it freed.
+	reclaim func(n int) int
 }
 
 type waiter struct {
@@ -41,19 +44,60 @@ func NewAllocator(n int) *Allocator {
 
 // Alloc takes n free pages, each with a reference count of one. It takes all
 // or nothing, and fails while TakeWait calls are waiting (no overtaking).
+// When the pool is short it asks the reclaimer (SetReclaim) first.
 func (a *Allocator) Alloc(n int) ([]int32, error) {
 	if n < 0 {
 		return nil, fmt.Errorf("kvcache: alloc of %d pages", n)
 	}
+	for try := 0; ; try++ {
+		a.mu.Lock()
+		if len(a.waiters) > 0 {
+			err := fmt.Errorf("%w: want %d, %d free of %d, %d reservations waiting ahead", ErrOutOfPages, n, len(a.free), len(a.refs), len(a.waiters))
+			a.mu.Unlock()
+			return nil, err
+		}
+		if n <= len(a.free) {
+			p := a.allocLocked(n)
+			a.mu.Unlock()
+			return p, nil
+		}
+		short, rec := n-len(a.free), a.reclaim
+		err := fmt.Errorf("%w: want %d, %d free of %d", ErrOutOfPages, n, len(a.free), len(a.refs))
+		a.mu.Unlock()
+		if try > 0 || rec == nil || rec(short) == 0 {
+			return nil, err
+		}
+	}
+}
+
+// SetReclaim installs the function asked for pages when the pool falls
+// short (NewRadix installs its Evict). It runs without the allocator's lock.
+func (a *Allocator) SetReclaim(f func(n int) int) {
+	a.mu.Lock()
+	a.reclaim = f
+	a.mu.Unlock()
+}
+
+// trailingSole counts, from the end of pages, up to max pages whose only
+// reference is the caller's (releasing them frees them).
+func (a *Allocator) trailingSole(pages []int32, max int) int {
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if len(a.waiters) > 0 {
-		return nil, fmt.Errorf("%w: want %d, %d free of %d, %d reservations waiting ahead", ErrOutOfPages, n, len(a.free), len(a.refs), len(a.waiters))
+	k := 0
+	for i := len(pages) - 1; i >= 0 && k < max && a.refs[pages[i]] == 1; i-- {
+		k++
 	}
-	if n > len(a.free) {
-		return nil, fmt.Errorf("%w: want %d, %d free of %d", ErrOutOfPages, n, len(a.free), len(a.refs))
+	return k
+}
+
+// headDeficit is how many pages the first waiting TakeWait lacks.
+func (a *Allocator) headDeficit() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if len(a.waiters) == 0 {
+		return 0
 	}
-	return a.allocLocked(n), nil
+	return max(0, a.waiters[0].n-len(a.free))
 }
 
 func (a *Allocator) allocLocked(n int) []int32 {
@@ -121,11 +165,22 @@ func (a *Allocator) Retain(pages []int32) error {
 // Release drops a reference to each page; a page whose count reaches zero is
 // free again. Releasing a free page is an error and changes nothing.
 func (a *Allocator) Release(pages []int32) error {
+	short, err := a.release(pages)
+	if short > 0 {
+		// Pages the cache alone holds now may serve a waiting reservation.
+		a.reclaim(short)
+	}
+	return err
+}
+
+// release drops the references; when a reservation still waits and a
+// reclaimer is set, it returns how many pages the first one lacks.
+func (a *Allocator) release(pages []int32) (short int, err error) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	for _, p := range pages {
 		if err := a.check(p); err != nil {
-			return err
+			return 0, err
 		}
 	}
 	freed := false
@@ -142,7 +197,10 @@ func (a *Allocator) Release(pages []int32) error {
 	if freed {
 		a.freedLocked()
 	}
-	return nil
+	if len(a.waiters) > 0 && a.reclaim != nil {
+		short = max(0, a.waiters[0].n-len(a.free))
+	}
+	return short, nil
 }
 
 // checkLocked panics if the free list and the reference counts disagree:
@@ -210,6 +268,12 @@ func (a *Allocator) TakeWait(ctx context.Context, n int) (*Table, error) {
 		return nil, fmt.Errorf("%w: want %d pages, the pool has %d", ErrOutOfPages, n, len(a.refs))
 	}
 	a.mu.Lock()
+	if len(a.waiters) == 0 && n > len(a.free) && a.reclaim != nil {
+		short, rec := n-len(a.free), a.reclaim
+		a.mu.Unlock()
+		rec(short)
+		a.mu.Lock()
+	}
 	if len(a.waiters) == 0 && n <= len(a.free) {
 		ids := a.allocLocked(n)
 		a.mu.Unlock()

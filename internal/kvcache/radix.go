@@ -35,9 +35,21 @@ type radixNode struct {
 	used     uint64
 }
 
-// NewRadix returns an empty prefix cache over a's pages.
+// NewRadix returns an empty prefix cache over a's pages, and makes it a's
+// reclaimer: an allocation that falls short evicts from it, and pages the
+// cache no longer needs go to waiting reservations.
 func NewRadix(a *Allocator, pageSize int) *Radix {
-	return &Radix{a: a, pageSize: pageSize, root: &radixNode{children: map[string]*radixNode{}}}
+	r := &Radix{a: a, pageSize: pageSize, root: &radixNode{children: map[string]*radixNode{}}}
+	a.SetReclaim(r.Evict)
+	return r
+}
+
+// serveWaiters evicts what the first waiting reservation lacks, once pages
+// may have become evictable (mu not held).
+func (r *Radix) serveWaiters() {
+	if d := r.a.headDeficit(); d > 0 {
+		r.Evict(d)
+	}
 }
 
 // Pages is the number of pages the cache holds.
@@ -69,6 +81,7 @@ func (m *Match) Done() {
 	}
 	m.node = nil
 	m.r.mu.Unlock()
+	m.r.serveWaiters()
 }
 
 // Lookup finds the longest cached prefix of tokens in whole pages, marks
@@ -136,6 +149,7 @@ func (r *Radix) split(c *radixNode, k int) *radixNode {
 // Blocks the tree already has keep its page. The tree takes a reference of
 // its own on every page it adds; it returns how many pages it added.
 func (r *Radix) Insert(tokens []int32, pages []int32) int {
+	defer r.serveWaiters()
 	nb := min(len(tokens)/r.pageSize, len(pages))
 	tokens, pages = tokens[:nb*r.pageSize], pages[:nb]
 	r.mu.Lock()
@@ -167,8 +181,8 @@ func (r *Radix) Insert(tokens []int32, pages []int32) int {
 
 // Evict drops least recently used leaves that nobody uses until want pages
 // went back to the allocator (or nothing more can go); it returns how many
-// pages it released. A page still held by a table stays allocated until
-// that table lets go.
+// pages it freed. Blocks whose pages a table still holds stay: dropping them
+// would free nothing.
 func (r *Radix) Evict(want int) int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -187,16 +201,20 @@ func (r *Radix) Evict(want int) int {
 	got := 0
 	for got < want && h.Len() > 0 {
 		n := heap.Pop(&h).(*radixNode)
-		// Drop the leaf's last blocks first, as many as still needed.
-		k := min(len(n.pages), want-got)
-		drop := n.pages[len(n.pages)-k:]
-		r.a.Release(drop)
+		// Drop the leaf's last blocks first, as many as still needed and
+		// as free up a page: a page a table still holds would stay
+		// allocated, so it stays cached.
+		k := r.a.trailingSole(n.pages, want-got)
+		if k == 0 {
+			continue
+		}
+		r.a.release(n.pages[len(n.pages)-k:]) // not Release: it may call back into Evict
 		got += k
 		r.pages -= k
 		if k < len(n.pages) {
 			n.pages = n.pages[:len(n.pages)-k]
 			n.tokens = n.tokens[:len(n.pages)*r.pageSize]
-			break
+			continue
 		}
 		p := n.parent
 		delete(p.children, r.key(n.tokens))
@@ -207,8 +225,8 @@ func (r *Radix) Evict(want int) int {
 	return got
 }
 
-// Flush drops every block nobody uses; it returns how many pages it
-// released.
+// Flush drops every block nobody uses and no table holds; it returns how
+// many pages it freed.
 func (r *Radix) Flush() int { return r.Evict(int(^uint(0) >> 1)) }
 
 type leafHeap []*radixNode

@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+	"time"
 )
 
 // seqOf makes a token sequence from block labels: block b is ps tokens
@@ -208,4 +209,51 @@ func rebuild(r *Radix) map[string]bool {
 	}
 	walk(r.root, nil)
 	return out
+}
+
+// TestRadixReclaim: allocations that fall short evict from the cache, a
+// waiting reservation is served as cached pages become evictable, and a
+// cached page a table still holds is not counted as freed.
+func TestRadixReclaim(t *testing.T) {
+	const ps = 2
+	a := NewAllocator(8)
+	r := NewRadix(a, ps)
+	compute(t, a, r, seqOf(ps, 1, 2, 3, 4, 5, 6)) // 6 pages cached, 2 free
+	p, err := a.Alloc(4)
+	if err != nil || r.Pages() != 4 {
+		t.Fatalf("alloc 4 with 2 free and 6 cached: %v, tree %d pages (want 4)", err, r.Pages())
+	}
+	a.Release(p)
+
+	// A table holding the cached prefix: its pages are not evictable.
+	m := r.Lookup(seqOf(ps, 1, 2, 3, 4))
+	tb := a.NewTable()
+	tb.Share(m.Pages)
+	m.Done()
+	if got := r.Evict(8); got != 0 {
+		t.Fatalf("evicted %d pages a table holds", got)
+	}
+	// A reservation of all 8 pages waits; when the table lets go, the cache
+	// gives its pages up to it.
+	res := make(chan *Table, 1)
+	go func() {
+		w, err := a.TakeWait(t.Context(), 8)
+		if err != nil {
+			t.Error(err)
+		}
+		res <- w
+	}()
+	for a.Waiting() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	tb.Release() // the cache alone holds those pages now: it gives them up
+	select {
+	case w := <-res:
+		if w.Len() != 8 || r.Pages() != 0 {
+			t.Fatalf("waiter got %d pages, tree holds %d", w.Len(), r.Pages())
+		}
+		w.Release()
+	case <-time.After(2 * time.Second):
+		t.Fatalf("waiter not served: %d free, tree %d pages", a.Free(), r.Pages())
+	}
 }
