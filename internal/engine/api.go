@@ -119,6 +119,9 @@ type Preloaded struct {
 	FirstToken   int
 	FirstLogprob float32
 	FirstTop     []sampling.TopLogprob // when the request asked for TopLogprobs
+	// CachedTokens is how many prompt tokens the prefill took from its
+	// prefix cache (reported in Finish).
+	CachedTokens int
 }
 
 // Event is one step of a request's output. Text is the new text since the
@@ -142,4 +145,7 @@ type Finish struct {
 	Err          error
 	PromptTokens int
 	OutputTokens int
+	// CachedTokens is how many prompt tokens were not computed for this
+	// request: taken from the prefix cache here, or by the prefill server.
+	CachedTokens int
 }

@@ -44,6 +44,10 @@ type Config struct {
 	// MaxQueue bounds the requests waiting for admission; beyond it Submit
 	// returns ErrOverloaded. 0: DefaultMaxQueue.
 	MaxQueue int
+	// Cache is the prefix cache over Pages (kvcache.NewRadix): a request
+	// reuses its longest cached prefix and computes from its end, and every
+	// finished request's KV is cached. nil: no prefix caching.
+	Cache *kvcache.Radix
 	// MaxQueueWait bounds how long a request waits in the admission queue
 	// for its pages (from its submission, or from when its PrefillGate
 	// opened); past it the request ends with ErrQueueTimeout.

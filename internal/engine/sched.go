@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
@@ -101,8 +102,7 @@ func (e *Engine) admit() (next time.Time) {
 			// requests whose peers are ready, so rooms admitted early can
 			// never starve them).
 			if !blocked && len(e.running) < e.cfg.MaxRunningRequests &&
-				e.pages.Free()-s.needPages >= e.pages.Total()/4 && s.table.Grow(s.needPages) == nil {
-				s.needPages = 0
+				e.pages.Free()-s.needPages >= e.pages.Total()/4 && e.reserve(s) {
 				e.running = append(e.running, s)
 				admitted = append(admitted, s)
 				continue
@@ -115,13 +115,10 @@ func (e *Engine) admit() (next time.Time) {
 			expired = append(expired, s)
 			continue
 		}
-		if !blocked && len(e.running) < e.cfg.MaxRunningRequests {
-			if s.needPages == 0 || s.table.Grow(s.needPages) == nil {
-				s.needPages = 0
-				e.running = append(e.running, s)
-				admitted = append(admitted, s)
-				continue
-			}
+		if !blocked && len(e.running) < e.cfg.MaxRunningRequests && e.reserve(s) {
+			e.running = append(e.running, s)
+			admitted = append(admitted, s)
+			continue
 		}
 		blocked = true // FIFO: nothing overtakes a request waiting for pages
 		if next.IsZero() || deadline.Before(next) {
@@ -149,6 +146,44 @@ func (e *Engine) admit() (next time.Time) {
 		e.compact()
 	}
 	return next
+}
+
+// reserve gives s its pages: first the longest cached prefix of its prompt
+// (all but its last token, whose logits must be computed), then fresh ones
+// (the allocator evicts from the cache when short). It reports false, with
+// nothing taken, if the pages are not there.
+func (e *Engine) reserve(s *seq) bool {
+	if s.needPages == 0 {
+		return true
+	}
+	var m *kvcache.Match
+	if c := e.cfg.Cache; c != nil && s.req.Preloaded == nil && s.prefilled == 0 {
+		m = c.Lookup(s.prompt[:len(s.prompt)-1])
+		defer m.Done()
+		if len(m.Pages) > 0 && s.table.Share(m.Pages) != nil {
+			m.Pages = nil
+		}
+	}
+	shared := 0
+	if m != nil {
+		shared = len(m.Pages)
+	}
+	if err := s.table.Grow(s.needPages - shared); err != nil {
+		if shared > 0 {
+			s.table.Release()
+			s.table = e.pages.NewTable()
+		}
+		return false
+	}
+	if shared > 0 {
+		s.cached, s.prefilled = m.Tokens(), m.Tokens()
+	}
+	if m != nil {
+		e.m.cacheQuery.Add(float64(len(s.prompt)))
+		e.m.cacheHit.Add(float64(s.cached))
+	}
+	s.needPages = 0
+	return true
 }
 
 type abortedSeq struct {
@@ -344,6 +379,9 @@ func (e *Engine) emit(s *seq, tok int, lp float32, top []sampling.TopLogprob) {
 	s.lastToken = now
 	s.output++
 	s.sampler.Accept(tok)
+	if e.cfg.Cache != nil {
+		s.outIDs = append(s.outIDs, int32(tok))
+	}
 
 	ev := Event{Token: tok, Logprob: lp, Top: top}
 	var f *Finish
@@ -399,6 +437,9 @@ func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 		s.stopCtx()
 	}
 	close(s.ended)
+	if c := e.cfg.Cache; c != nil {
+		c.Insert(s.kvTokens(), s.table.IDs())
+	}
 	if s.hook != nil && !s.hookDone {
 		s.hookDone = true
 		release := func() { s.table.Release() }
@@ -412,6 +453,7 @@ func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 	}
 	f.PromptTokens = len(s.prompt)
 	f.OutputTokens = s.output
+	f.CachedTokens = s.cached
 	e.m.requests.WithLabelValues(f.Type).Inc()
 	if f.Type == "abort" {
 		e.lg.Info("request aborted", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),

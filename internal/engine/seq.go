@@ -37,6 +37,8 @@ type seq struct {
 	ended     chan struct{}   // closed by finish
 
 	state     seqState
+	cached    int      // prompt tokens taken from the prefix cache (or the prefill's)
+	outIDs    []int32  // output tokens, for the prefix cache
 	prefilled int      // prompt tokens whose KV is in the pool
 	pos       int      // position of next (decode)
 	next      [1]int32 // token to feed at pos
@@ -51,6 +53,17 @@ type seq struct {
 	ctxCause func() error          // the request context's cause, nil while it lives
 	stopCtx  func() bool           // unregisters the context.AfterFunc
 	out      *outbox
+}
+
+// kvTokens are the tokens whose KV is in s's pages: the prompt's computed
+// part, then the output tokens fed back so far.
+func (s *seq) kvTokens() []int32 {
+	switch s.state {
+	case statePrefill, stateQueued:
+		return s.prompt[:s.prefilled]
+	}
+	fed := s.pos - len(s.prompt)
+	return append(s.prompt[:len(s.prompt):len(s.prompt)], s.outIDs[:max(0, min(fed, len(s.outIDs)))]...)
 }
 
 // gated reports whether s waits for its PrefillGate, noting when it opens.
