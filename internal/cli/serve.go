@@ -18,6 +18,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/disagg"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 	"github.com/mooncake-go/mooncake-go/internal/server"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
@@ -38,7 +39,7 @@ type serveFlags struct {
 	maxTotalTokens, maxRunning, chunked  int
 	threads                              int
 	disaggTimeout, maxQueueWait          time.Duration
-	pushByLayer                          bool
+	pushByLayer, noRadixCache            bool
 	seed                                 int64
 	debugFault                           string
 	profiling                            bool
@@ -81,6 +82,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu default: 32768, at most a quarter of RAM; cuda default: from --mem-fraction-static)")
 	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
+	fl.BoolVar(&f.noRadixCache, "disable-radix-cache", false, "do not cache finished requests' KV for reuse by later prompts with the same prefix")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
 	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
@@ -308,8 +310,12 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(func() error { be.shutdown(lg); return nil })
 	layout, ps := be.layout, be.layout.PageSize
+	var cache *kvcache.Radix
+	if !f.noRadixCache {
+		cache = kvcache.NewRadix(be.pages, ps)
+	}
 	eng, err := engine.New(engine.Config{
-		Model: be.model, Pages: be.pages, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
+		Model: be.model, Pages: be.pages, Cache: cache, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
 		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
@@ -361,7 +367,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()
-			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages}
+			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages, "kv_pages_cached": s.CachedPages}
 			for k, v := range extra {
 				out[k] = v
 			}

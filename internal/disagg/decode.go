@@ -293,7 +293,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			cleanup()
 			setState(Success)
 			d.m.wait.Observe(time.Since(waitStart).Seconds())
-			req.Preloaded = &engine.Preloaded{Table: table, FirstToken: tok, FirstLogprob: lp, FirstTop: top}
+			req.Preloaded = &engine.Preloaded{Table: table, FirstToken: tok, FirstLogprob: lp, FirstTop: top, CachedTokens: res.CachedTokens}
 			lg.Debug("kv in place", zap.Int("pages", prompt), zap.Int64("bytes", res.Bytes),
 				zap.Float64("transfer_seconds", res.TransferSeconds), zap.Duration("wait", time.Since(waitStart)))
 			return nil

@@ -401,6 +401,7 @@ type proom struct {
 	layerTok   []int
 	layerFence []compute.Fence
 	layerSent  []int
+	cached     int // prompt tokens the engine took from its prefix cache
 	bytes      int64
 	xfer       time.Duration
 }
@@ -478,6 +479,14 @@ func (r *proom) Aborted() error {
 		return r.err
 	}
 	return nil
+}
+
+// Cached records the prompt tokens the engine took from its prefix cache
+// (engine.PrefillCacheHook), for decode's report.
+func (r *proom) Cached(tokens int) {
+	r.mu.Lock()
+	r.cached = tokens
+	r.mu.Unlock()
 }
 
 func (r *proom) Chunk(tokensDone int) {
@@ -721,7 +730,7 @@ func (r *proom) push() error {
 func (r *proom) finish() {
 	p := r.p
 	r.mu.Lock()
-	dst, release, bytes, xfer, doneAt := r.dst, r.release, r.bytes, r.xfer, r.doneAt
+	dst, release, bytes, xfer, doneAt, cached := r.dst, r.release, r.bytes, r.xfer, r.doneAt, r.cached
 	var err error
 	if r.err == nil {
 		r.setState(Success)
@@ -730,7 +739,7 @@ func (r *proom) finish() {
 		err = r.err
 	}
 	r.mu.Unlock()
-	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, TransferSeconds: xfer.Seconds()}
+	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, TransferSeconds: xfer.Seconds(), CachedTokens: cached}
 	if err != nil {
 		res.Error, res.Reason = err.Error(), reasonOf(err, ReasonTransfer)
 	}

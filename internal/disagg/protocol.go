@@ -95,6 +95,9 @@ type Result struct {
 	// Reason is the failure's Reason, so decode reports the same one.
 	Reason Reason `json:"reason,omitempty"`
 	Bytes  int64  `json:"bytes"`
+	// CachedTokens is how many prompt tokens the prefill took from its
+	// prefix cache.
+	CachedTokens int `json:"cached_tokens,omitempty"`
 	// TransferSeconds is the time spent in KV transfers for this room.
 	TransferSeconds float64 `json:"transfer_seconds"`
 }

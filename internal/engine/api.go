@@ -101,6 +101,13 @@ type PrefillGate interface {
 	Ready() <-chan struct{}
 }
 
+// PrefillCacheHook is an optional PrefillHook method: at admission, how
+// many prompt tokens came from the prefix cache (their KV is in the first
+// pages already; Chunk counts them as done).
+type PrefillCacheHook interface {
+	Cached(tokens int)
+}
+
 // PrefillAborter is an optional PrefillHook method: the engine checks it
 // every step and aborts the request (calling Done with the error) once it
 // returns non-nil, so the disaggregation layer can stop computing a prompt

@@ -146,10 +146,11 @@ func (e *Engine) Tokenizer() tokenizer.Tokenizer { return e.tok }
 
 // Stats is a snapshot of the engine's load.
 type Stats struct {
-	Queued     int // waiting for admission
-	Running    int // in the running batch
-	FreePages  int
-	TotalPages int
+	Queued      int // waiting for admission
+	Running     int // in the running batch
+	FreePages   int
+	TotalPages  int
+	CachedPages int // held by the prefix cache alone (free to evict)
 }
 
 // Stats returns the current load.
@@ -157,12 +158,16 @@ func (e *Engine) Stats() Stats {
 	e.mu.Lock()
 	q := len(e.queue)
 	e.mu.Unlock()
-	return Stats{
+	st := Stats{
 		Queued:     q,
 		Running:    int(e.nRunning.Load()),
 		FreePages:  e.pages.Free(),
 		TotalPages: e.pages.Total(),
 	}
+	if c := e.cfg.Cache; c != nil {
+		st.CachedPages = c.Idle()
+	}
+	return st
 }
 
 // Submit validates and queues r. It returns the channel of r's events: one
@@ -400,8 +405,10 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 			return nil, bad("preloaded first token %d is outside the vocabulary [0, %d)", pl.FirstToken, e.vocab)
 		}
 		s.table = pl.Table
+		s.cached = pl.CachedTokens
 		s.needPages = max(0, need-pl.Table.Len())
-		s.req.Preloaded = &Preloaded{Table: pl.Table, FirstToken: pl.FirstToken, FirstLogprob: pl.FirstLogprob, FirstTop: pl.FirstTop}
+		s.req.Preloaded = &Preloaded{Table: pl.Table, FirstToken: pl.FirstToken, FirstLogprob: pl.FirstLogprob, FirstTop: pl.FirstTop,
+			CachedTokens: pl.CachedTokens}
 	}
 	if len(p.StopTokenIDs) > 0 {
 		s.stopIDs = make(map[int]bool, len(p.StopTokenIDs))
@@ -489,4 +496,13 @@ func newID() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
 	return hex.EncodeToString(b[:])
+}
+
+// FlushCache gives back every page the prefix cache holds that no request
+// uses (server.CacheFlusher).
+func (e *Engine) FlushCache() (int, error) {
+	if e.cfg.Cache == nil {
+		return 0, errors.New("engine: no prefix cache (--disable-radix-cache)")
+	}
+	return e.cfg.Cache.Flush(), nil
 }

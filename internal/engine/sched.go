@@ -209,6 +209,9 @@ func (e *Engine) start(s *seq) {
 	case s.hook != nil:
 		s.state = statePrefill
 		s.hook.Pages(slices.Clone(s.table.IDs()))
+		if c, ok := s.hook.(PrefillCacheHook); ok && s.cached > 0 {
+			c.Cached(s.cached)
+		}
 	case s.req.Preloaded != nil:
 		// The prefill server sampled the first token with the same seed:
 		// skip its draw so seeded sampling continues the same stream.

@@ -90,6 +90,19 @@ func (a *Allocator) trailingSole(pages []int32, max int) int {
 	return k
 }
 
+// sole counts the pages whose only reference is the caller's.
+func (a *Allocator) sole(pages []int32) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := 0
+	for _, p := range pages {
+		if a.refs[p] == 1 {
+			n++
+		}
+	}
+	return n
+}
+
 // headDeficit is how many pages the first waiting TakeWait lacks.
 func (a *Allocator) headDeficit() int {
 	a.mu.Lock()

@@ -4,6 +4,7 @@ import (
 	"container/heap"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -20,10 +21,11 @@ type Radix struct {
 	a        *Allocator
 	pageSize int
 
-	mu    sync.Mutex
-	root  *radixNode
-	pages int    // pages the tree holds
-	clock uint64 // LRU time
+	mu      sync.Mutex
+	root    *radixNode
+	pages   int    // pages the tree holds
+	clock   uint64 // LRU time
+	evicted atomic.Int64
 }
 
 type radixNode struct {
@@ -52,11 +54,31 @@ func (r *Radix) serveWaiters() {
 	}
 }
 
+// Evicted is the number of pages eviction has freed so far.
+func (r *Radix) Evicted() int64 { return r.evicted.Load() }
+
 // Pages is the number of pages the cache holds.
 func (r *Radix) Pages() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.pages
+}
+
+// Idle is the number of cached pages nothing but the cache holds: the
+// pages eviction could free now.
+func (r *Radix) Idle() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	var walk func(x *radixNode)
+	walk = func(x *radixNode) {
+		n += r.a.sole(x.pages)
+		for _, c := range x.children {
+			walk(c)
+		}
+	}
+	walk(r.root)
+	return n
 }
 
 // Match is a matched prefix in use: its pages, and the path that keeps them
@@ -211,6 +233,7 @@ func (r *Radix) Evict(want int) int {
 		r.a.release(n.pages[len(n.pages)-k:]) // not Release: it may call back into Evict
 		got += k
 		r.pages -= k
+		r.evicted.Add(int64(k))
 		if k < len(n.pages) {
 			n.pages = n.pages[:len(n.pages)-k]
 			n.tokens = n.tokens[:len(n.pages)*r.pageSize]

@@ -233,6 +233,9 @@ func TestRadixReclaim(t *testing.T) {
 	if got := r.Evict(8); got != 0 {
 		t.Fatalf("evicted %d pages a table holds", got)
 	}
+	if r.Idle() != 0 || r.Pages() != 4 {
+		t.Fatalf("idle %d of %d cached pages, want 0: a table holds them", r.Idle(), r.Pages())
+	}
 	// A reservation of all 8 pages waits; when the table lets go, the cache
 	// gives its pages up to it.
 	res := make(chan *Table, 1)

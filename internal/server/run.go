@@ -156,6 +156,15 @@ func (rn *run) promptTokens() int {
 	return 0
 }
 
+// cachedTokens are the prompt tokens not computed for the request (the
+// prefix cache, here or on the prefill server).
+func (rn *run) cachedTokens() int {
+	if rn.finish != nil {
+		return rn.finish.CachedTokens
+	}
+	return 0
+}
+
 func (rn *run) completionTokens() int {
 	if rn.finish != nil && rn.finish.OutputTokens > len(rn.ids) {
 		return rn.finish.OutputTokens
