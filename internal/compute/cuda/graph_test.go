@@ -133,6 +133,11 @@ func TestGraphEqualsEager(t *testing.T) {
 				if !(rel <= tol) {
 					t.Errorf("batch %d: graph vs the other eager: relative error %g > %g", n, rel, tol)
 				}
+				// Greedy tokens with graphs equal those without (float32;
+				// bf16 roundings may part near-ties).
+				if tc.o.DType == "float32" && am != 0 {
+					t.Errorf("batch %d: %d greedy tokens differ from the other eager", n, am)
+				}
 			}
 			st := gb.GraphStats()
 			t.Logf("graphs: %+v", st)
