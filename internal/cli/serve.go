@@ -44,6 +44,9 @@ type serveFlags struct {
 	debugFault                           string
 	profiling                            bool
 	randomWeights                        string
+	disableCUDAGraph                     bool
+	cudaGraphMaxBS                       int
+	graphFlagsSet                        bool // either graph flag given (the cpu backend notes it ignores them)
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -53,6 +56,7 @@ func newServeCmd(g *globals) *cobra.Command {
 		Short: "Serve a model (colocated, or as the prefill or decode side of a disaggregated pair)",
 		Args:  cobra.NoArgs,
 		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
+			f.graphFlagsSet = cmd.Flags().Changed("disable-cuda-graph") || cmd.Flags().Changed("cuda-graph-max-bs")
 			return runServe(cmd.Context(), &f, lg, cmd.OutOrStdout())
 		}),
 	}
@@ -84,6 +88,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
 	fl.BoolVar(&f.noRadixCache, "disable-radix-cache", false, "do not cache finished requests' KV for reuse by later prompts with the same prefix")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
+	fl.BoolVar(&f.disableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly instead of replaying CUDA graphs (cuda)")
+	fl.IntVar(&f.cudaGraphMaxBS, "cuda-graph-max-bs", 256, "largest decode batch replayed from a CUDA graph, larger ones run eagerly (cuda; at most --max-running-requests)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
 	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
 	fl.StringVar(&f.randomWeights, "random-weights", "", "serve seeded random weights of a named shape ("+strings.Join(model.RandomShapes(), ", ")+
@@ -120,6 +126,9 @@ func (f *serveFlags) validate() error {
 	}
 	if f.pageSize < 0 || f.maxTotalTokens < 0 || f.threads < 0 {
 		return errors.New("--page-size, --max-total-tokens and --threads must not be negative")
+	}
+	if f.cudaGraphMaxBS < 1 {
+		return fmt.Errorf("--cuda-graph-max-bs %d: want at least 1 (--disable-cuda-graph turns the graphs off)", f.cudaGraphMaxBS)
 	}
 	if f.memFraction < 0 || f.memFraction >= 1 {
 		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
