@@ -98,6 +98,18 @@ int mc_cuda_bind(void *lib, char *missing, int missing_len) {
 	OPT(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", NULL, NULL);
 	OPT(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", NULL, NULL);
 	OPT(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", NULL, NULL);
+	/* Graphs: the _v2 capture call takes the mode (the unversioned symbol
+	 * is the CUDA 10.0 one without it); exec update _v2 is CUDA 12's. */
+	OPT(cuStreamBeginCapture, "cuStreamBeginCapture_v2", NULL, NULL);
+	OPT(cuStreamEndCapture, "cuStreamEndCapture", NULL, NULL);
+	OPT(cuStreamIsCapturing, "cuStreamIsCapturing", NULL, NULL);
+	OPT(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", NULL, NULL);
+	OPT(cuGraphUpload, "cuGraphUpload", NULL, NULL);
+	OPT(cuGraphLaunch, "cuGraphLaunch", NULL, NULL);
+	OPT(cuGraphExecUpdate, "cuGraphExecUpdate_v2", NULL, NULL);
+	OPT(cuGraphExecDestroy, "cuGraphExecDestroy", NULL, NULL);
+	OPT(cuGraphDestroy, "cuGraphDestroy", NULL, NULL);
+	OPT(cuGraphGetNodes, "cuGraphGetNodes", NULL, NULL);
 	if (first_missing) {
 		if (missing && missing_len > 0) {
 			strncpy(missing, first_missing, (size_t)missing_len - 1);
@@ -266,4 +278,40 @@ CUresult mc_cuLaunchKernel(CUcontext c, CUfunction f, unsigned int gx, unsigned 
 	WITH_CTX(c);
 	for (i = 0; i < nargs; i++) params[i] = args + offsets[i];
 	return CALL(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, shmem, s, nargs ? params : NULL, NULL);
+}
+
+CUresult mc_cuStreamBeginCapture(CUcontext c, CUstream s, int mode) { WITH_CTX(c); return CALL(cuStreamBeginCapture, s, mode); }
+CUresult mc_cuStreamEndCapture(CUcontext c, CUstream s, CUgraph *g) {
+	*g = NULL;
+	WITH_CTX(c);
+	return CALL(cuStreamEndCapture, s, g);
+}
+CUresult mc_cuStreamIsCapturing(CUcontext c, CUstream s, int *status) {
+	*status = 0;
+	WITH_CTX(c);
+	return CALL(cuStreamIsCapturing, s, status);
+}
+CUresult mc_cuGraphInstantiate(CUcontext c, CUgraphExec *e, CUgraph g, unsigned long long fl) {
+	*e = NULL;
+	WITH_CTX(c);
+	return CALL(cuGraphInstantiateWithFlags, e, g, fl);
+}
+CUresult mc_cuGraphUpload(CUcontext c, CUgraphExec e, CUstream s) { WITH_CTX(c); return CALL(cuGraphUpload, e, s); }
+CUresult mc_cuGraphLaunch(CUcontext c, CUgraphExec e, CUstream s) { WITH_CTX(c); return CALL(cuGraphLaunch, e, s); }
+CUresult mc_cuGraphExecUpdate(CUcontext c, CUgraphExec e, CUgraph g, int *reason) {
+	mc_CUgraphExecUpdateResultInfo info;
+	CUresult r;
+	memset(&info, 0, sizeof(info));
+	*reason = 0;
+	WITH_CTX(c);
+	r = CALL(cuGraphExecUpdate, e, g, &info);
+	*reason = info.result;
+	return r;
+}
+CUresult mc_cuGraphExecDestroy(CUcontext c, CUgraphExec e) { WITH_CTX(c); return CALL(cuGraphExecDestroy, e); }
+CUresult mc_cuGraphDestroy(CUcontext c, CUgraph g) { WITH_CTX(c); return CALL(cuGraphDestroy, g); }
+CUresult mc_cuGraphNodeCount(CUcontext c, CUgraph g, size_t *n) {
+	*n = 0;
+	WITH_CTX(c);
+	return CALL(cuGraphGetNodes, g, NULL, n);
 }

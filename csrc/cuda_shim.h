@@ -18,6 +18,9 @@ typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraphNode_st *CUgraphNode;
 
 #define MC_CUDA_SUCCESS 0
 #define MC_CUDA_ERROR_NOT_INITIALIZED 3
@@ -49,6 +52,13 @@ typedef struct {
 	mc_CUmemLocation location;
 	int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
 } mc_CUmemAccessDesc;
+
+/* CUgraphExecUpdateResultInfo (CUDA 12+) */
+typedef struct {
+	int result; /* CUgraphExecUpdateResult */
+	CUgraphNode errorNode;
+	CUgraphNode errorFromNode;
+} mc_CUgraphExecUpdateResultInfo;
 
 /* CUmemFabricHandle and CUipcMemHandle: 64 opaque bytes each. */
 typedef struct { unsigned char data[64]; } mc_CUmemFabricHandle;
@@ -137,6 +147,18 @@ typedef struct {
 	CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int,
 	                           unsigned int, unsigned int, unsigned int, unsigned int,
 	                           CUstream, void **, void **);
+
+	/* CUDA graphs (optional: a driver without them still binds). */
+	CUresult (*cuStreamBeginCapture)(CUstream, int /* CUstreamCaptureMode */); /* cuStreamBeginCapture_v2 */
+	CUresult (*cuStreamEndCapture)(CUstream, CUgraph *);
+	CUresult (*cuStreamIsCapturing)(CUstream, int * /* CUstreamCaptureStatus */);
+	CUresult (*cuGraphInstantiateWithFlags)(CUgraphExec *, CUgraph, unsigned long long);
+	CUresult (*cuGraphUpload)(CUgraphExec, CUstream);
+	CUresult (*cuGraphLaunch)(CUgraphExec, CUstream);
+	CUresult (*cuGraphExecUpdate)(CUgraphExec, CUgraph, mc_CUgraphExecUpdateResultInfo *); /* cuGraphExecUpdate_v2 */
+	CUresult (*cuGraphExecDestroy)(CUgraphExec);
+	CUresult (*cuGraphDestroy)(CUgraph);
+	CUresult (*cuGraphGetNodes)(CUgraph, CUgraphNode *, size_t *);
 } mc_cuda_table;
 
 /* Fills the table from a dlopen handle of libcuda. Returns 0, or -1 with the
@@ -227,5 +249,18 @@ CUresult mc_cuFuncGetAttribute(CUcontext c, int *v, int attr, CUfunction f);
 CUresult mc_cuLaunchKernel(CUcontext c, CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                            unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
                            CUstream s, unsigned char *args, const unsigned int *offsets, int nargs);
+
+CUresult mc_cuStreamBeginCapture(CUcontext c, CUstream s, int mode);
+/* On failure *g may still be set (an invalidated capture's graph): destroy it. */
+CUresult mc_cuStreamEndCapture(CUcontext c, CUstream s, CUgraph *g);
+CUresult mc_cuStreamIsCapturing(CUcontext c, CUstream s, int *status);
+CUresult mc_cuGraphInstantiate(CUcontext c, CUgraphExec *e, CUgraph g, unsigned long long flags);
+CUresult mc_cuGraphUpload(CUcontext c, CUgraphExec e, CUstream s);
+CUresult mc_cuGraphLaunch(CUcontext c, CUgraphExec e, CUstream s);
+/* *reason: the CUgraphExecUpdateResult (0 on success). */
+CUresult mc_cuGraphExecUpdate(CUcontext c, CUgraphExec e, CUgraph g, int *reason);
+CUresult mc_cuGraphExecDestroy(CUcontext c, CUgraphExec e);
+CUresult mc_cuGraphDestroy(CUcontext c, CUgraph g);
+CUresult mc_cuGraphNodeCount(CUcontext c, CUgraph g, size_t *n);
 
 #endif

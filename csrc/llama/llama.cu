@@ -201,7 +201,8 @@ extern "C" __global__ void rope_table(float2 *tab, const double *inv_freq, int n
 // f32 table tab (rope_table) for positions below ntab, else are computed as
 // rope_table does. Grid (n tokens, ceil(items/blockDim)); one thread per item
 // of a token: (nheads+nkv)*HEAD_DIM/2 rotated pairs, then nkv*HEAD_DIM/2
-// pairs of v elements.
+// pairs of v elements. A token with slot < 0 (a padding row of a captured
+// decode batch) writes its q but no KV.
 extern "C" __global__ void rope_kv(T *q, T *kc, T *vc, const float *qkv, const float *bias, const int *pos,
 	const long long *slot, const float2 *tab, const double *inv_freq, int ntab, int nheads, int nkv,
 	int interleaved) {
@@ -244,10 +245,12 @@ extern "C" __global__ void rope_kv(T *q, T *kc, T *vc, const float *qkv, const f
 			st(q, (long long)t * QD + ib, rb);
 		} else {
 			long long s = slot[t];
-			st(kc, s + (ia - QD), ra);
-			st(kc, s + (ib - QD), rb);
+			if (s >= 0) {
+				st(kc, s + (ia - QD), ra);
+				st(kc, s + (ib - QD), rb);
+			}
 		}
-	} else if (j < npairs + KVD / 2) {
+	} else if (j < npairs + KVD / 2 && slot[t] >= 0) {
 		int e = 2 * (j - npairs);
 		float2 v = *(const float2 *)(row + QD + KVD + e);
 		if (bias) {

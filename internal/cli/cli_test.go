@@ -5,6 +5,9 @@ import (
 	"context"
 	"strings"
 	"testing"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 func run(t *testing.T, args ...string) (string, error) {
@@ -32,10 +35,37 @@ func TestServeFlagErrors(t *testing.T) {
 		{[]string{"--mem-fraction-static", "1.5"}, "--mem-fraction-static"},
 		{[]string{"--model-path", "/nonexistent/model"}, "--model-path"},
 		{[]string{"--port", "70000"}, "--port"},
+		{[]string{"--cuda-graph-max-bs", "0"}, "--cuda-graph-max-bs 0"},
 	} {
 		_, err := run(t, append([]string{"serve", "--log-level", "error"}, c.args...)...)
 		if err == nil || !strings.Contains(err.Error(), c.flag) {
 			t.Errorf("serve %v: error %v does not name %s", c.args, err, c.flag)
+		}
+	}
+}
+
+// serve --help lists SGLang's CUDA graph flags; the largest captured batch
+// is --cuda-graph-max-bs capped by the running batch.
+func TestServeGraphFlags(t *testing.T) {
+	out, err := run(t, "serve", "--help")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"--disable-cuda-graph", "--cuda-graph-max-bs int", "(default 256)"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("serve --help lacks %q", want)
+		}
+	}
+	core, logs := observer.New(zap.InfoLevel)
+	(&serveFlags{}).noteGraphFlags(zap.New(core))
+	(&serveFlags{graphFlagsSet: true}).noteGraphFlags(zap.New(core))
+	if n := logs.FilterMessageSnippet("no effect on the cpu backend").Len(); n != 1 {
+		t.Errorf("%d notes that the cpu backend ignores the graph flags, want 1 (only when given)", n)
+	}
+	for _, c := range []struct{ maxBS, running, want int }{{256, 0, 64}, {16, 0, 16}, {256, 300, 256}, {100, 80, 80}} {
+		f := &serveFlags{cudaGraphMaxBS: c.maxBS, maxRunning: c.running}
+		if got := f.graphMaxBS(); got != c.want {
+			t.Errorf("--cuda-graph-max-bs %d --max-running-requests %d: %d, want %d", c.maxBS, c.running, got, c.want)
 		}
 	}
 }

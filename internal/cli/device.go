@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"runtime"
@@ -11,6 +12,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
 	cudabe "github.com/mooncake-go/mooncake-go/internal/compute/cuda"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
@@ -60,6 +62,7 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 	if f.dtype == "bfloat16" {
 		return nil, fmt.Errorf("--dtype bfloat16: the cpu backend computes in float32")
 	}
+	f.noteGraphFlags(lg)
 	ps := f.pageSize
 	if ps == 0 {
 		ps = 64
@@ -98,7 +101,7 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	}
 	be, err := cudabe.New(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
 		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,
-		RandomWeights: m.W == nil, Seed: f.seed})
+		RandomWeights: m.W == nil, Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()})
 	if err != nil {
 		return nil, fmt.Errorf("--device cuda (GPU %d): %w", f.baseGPU, err)
 	}
@@ -119,6 +122,21 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	}
 	b.close = append(b.close, func() error { return te.UnregisterMemory(context.Background(), uintptr(be.KVBase())) })
 	return b, nil
+}
+
+// noteGraphFlags logs that the cpu backend ignores the CUDA graph flags,
+// which serve accepts on any device as SGLang does.
+func (f *serveFlags) noteGraphFlags(lg *zap.Logger) {
+	if f.graphFlagsSet {
+		lg.Info("--disable-cuda-graph and --cuda-graph-max-bs have no effect on the cpu backend")
+	}
+}
+
+// graphMaxBS is the largest decode batch to capture: --cuda-graph-max-bs,
+// but no more than the running batch can hold (the graph buffers are sized
+// for it).
+func (f *serveFlags) graphMaxBS() int {
+	return min(f.cudaGraphMaxBS, cmp.Or(f.maxRunning, engine.DefaultMaxRunningRequests))
 }
 
 func pagesFromTokens(tokens, pageSize int) int {

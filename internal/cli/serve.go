@@ -18,6 +18,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/disagg"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 	"github.com/mooncake-go/mooncake-go/internal/server"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
@@ -37,12 +38,15 @@ type serveFlags struct {
 	memFraction                          float64
 	maxTotalTokens, maxRunning, chunked  int
 	threads                              int
-	disaggTimeout                        time.Duration
-	pushByLayer                          bool
+	disaggTimeout, maxQueueWait          time.Duration
+	pushByLayer, noRadixCache            bool
 	seed                                 int64
 	debugFault                           string
 	profiling                            bool
 	randomWeights                        string
+	disableCUDAGraph                     bool
+	cudaGraphMaxBS                       int
+	graphFlagsSet                        bool // either graph flag given (the cpu backend notes it ignores them)
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -52,6 +56,7 @@ func newServeCmd(g *globals) *cobra.Command {
 		Short: "Serve a model (colocated, or as the prefill or decode side of a disaggregated pair)",
 		Args:  cobra.NoArgs,
 		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
+			f.graphFlagsSet = cmd.Flags().Changed("disable-cuda-graph") || cmd.Flags().Changed("cuda-graph-max-bs")
 			return runServe(cmd.Context(), &f, lg, cmd.OutOrStdout())
 		}),
 	}
@@ -67,7 +72,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.bootstrapPort, "disaggregation-bootstrap-port", 8998, "prefill bootstrap server port (0 picks a free one)")
 	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink or rdma")
 	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", "RDMA device (rdma backend)")
-	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait")
+	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait, from when its pages are reserved")
+	fl.DurationVar(&f.maxQueueWait, "max-queue-wait", engine.DefaultMaxQueueWait, "bound on a request's wait for KV pages in the admission queue")
 	fl.BoolVar(&f.pushByLayer, "disaggregation-push-by-layer", false, "prefill: push each layer's KV as soon as the layer is computed, overlapping the push with the rest of the pass")
 	fl.IntVar(&f.transferPort, "transfer-port", 0, "transfer engine port (0 picks a free one; the segment name is host:port)")
 	fl.StringVar(&f.metadata, "metadata-server", "p2p", "p2p, embedded, etcd://host:port or http://host:port/metadata")
@@ -80,7 +86,10 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu default: 32768, at most a quarter of RAM; cuda default: from --mem-fraction-static)")
 	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
+	fl.BoolVar(&f.noRadixCache, "disable-radix-cache", false, "do not cache finished requests' KV for reuse by later prompts with the same prefix")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
+	fl.BoolVar(&f.disableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly instead of replaying CUDA graphs (cuda)")
+	fl.IntVar(&f.cudaGraphMaxBS, "cuda-graph-max-bs", 256, "largest decode batch replayed from a CUDA graph, larger ones run eagerly (cuda; at most --max-running-requests)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
 	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
 	fl.StringVar(&f.randomWeights, "random-weights", "", "serve seeded random weights of a named shape ("+strings.Join(model.RandomShapes(), ", ")+
@@ -117,6 +126,9 @@ func (f *serveFlags) validate() error {
 	}
 	if f.pageSize < 0 || f.maxTotalTokens < 0 || f.threads < 0 {
 		return errors.New("--page-size, --max-total-tokens and --threads must not be negative")
+	}
+	if f.cudaGraphMaxBS < 1 {
+		return fmt.Errorf("--cuda-graph-max-bs %d: want at least 1 (--disable-cuda-graph turns the graphs off)", f.cudaGraphMaxBS)
 	}
 	if f.memFraction < 0 || f.memFraction >= 1 {
 		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
@@ -307,9 +319,13 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(func() error { be.shutdown(lg); return nil })
 	layout, ps := be.layout, be.layout.PageSize
+	var cache *kvcache.Radix
+	if !f.noRadixCache {
+		cache = kvcache.NewRadix(be.pages, ps)
+	}
 	eng, err := engine.New(engine.Config{
-		Model: be.model, Pages: be.pages, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
-		ChunkedPrefillSize: f.chunked, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
+		Model: be.model, Pages: be.pages, Cache: cache, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
+		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
 		return err
@@ -327,8 +343,8 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	switch f.mode {
 	case "prefill":
 		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
-			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, Logger: lg, Registerer: reg,
-			FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
+			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait,
+			Secret: secret, Logger: lg, Registerer: reg, FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
 		if err != nil {
 			return err
 		}
@@ -341,8 +357,8 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			return pf.Prepare(ctx, req, b.Room)
 		}
 	case "decode":
-		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages,
-			Timeout: f.disaggTimeout, Logger: lg, Registerer: reg})
+		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages, PagesFor: eng.KVPages,
+			Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait, Secret: secret, Logger: lg, Registerer: reg})
 		if err != nil {
 			return err
 		}
@@ -352,15 +368,15 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			if b.Host == "" || b.Port == 0 {
 				return &server.Error{Status: 400, Message: "bootstrap_host and bootstrap_port are required on a decode server"}
 			}
-			return httpStatus(d.Prepare(ctx, req, b.Host, b.Port, b.Room))
+			return d.Prepare(ctx, req, b.Host, b.Port, b.Room)
 		}
 	}
 	srv, err := server.New(server.Config{
-		Generator: preloadGuard{eng, be.pages}, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
+		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
 		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()
-			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages}
+			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages, "kv_pages_cached": s.CachedPages}
 			for k, v := range extra {
 				out[k] = v
 			}
@@ -375,17 +391,4 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
-}
-
-// httpStatus gives decode-side disaggregation errors their HTTP status.
-func httpStatus(err error) error {
-	for _, m := range []struct {
-		err  error
-		code int
-	}{{disagg.ErrKVTimeout, 504}, {disagg.ErrPoolFull, 503}, {disagg.ErrPrefillUnreachable, 502}, {disagg.ErrDecodeClosing, 503}} {
-		if errors.Is(err, m.err) {
-			return &server.Error{Status: m.code, Message: err.Error(), Err: err}
-		}
-	}
-	return err
 }

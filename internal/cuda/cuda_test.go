@@ -3,6 +3,7 @@ package cuda
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"strings"
 	"testing"
@@ -34,10 +35,68 @@ func TestNoDriver(t *testing.T) {
 	_, checks["Device.Retain"] = Device(0).Retain()
 	_, checks["Device.CanAccessPeer"] = Device(0).CanAccessPeer(1)
 	_, checks["Device.AllocationGranularity"] = Device(0).AllocationGranularity(HandlePosixFD, false)
+	var st Stream
+	checks["Stream.BeginCapture"] = st.BeginCapture(CaptureThreadLocal)
+	_, checks["Stream.EndCapture"] = st.EndCapture()
+	_, checks["Stream.CaptureStatus"] = st.CaptureStatus()
+	_, checks["Graph.Instantiate"] = (&Graph{}).Instantiate()
+	_, checks["Graph.NodeCount"] = (&Graph{}).NodeCount()
+	checks["GraphExec.Launch"] = (&GraphExec{}).Launch(&st)
+	checks["GraphExec.Upload"] = (&GraphExec{}).Upload(&st)
+	checks["GraphExec.Update"] = (&GraphExec{}).Update(&Graph{})
 	for name, err := range checks {
 		if !errors.Is(err, ErrNoDriver) {
 			t.Errorf("%s: error %v does not wrap ErrNoDriver", name, err)
 		}
+	}
+}
+
+// TestGraphNoHandle: the graph entry points refuse nil, zero and destroyed
+// handles with an error (ErrNoDriver without a driver, else ErrNoHandle),
+// never a crash; Destroy of nothing is a no-op.
+func TestGraphNoHandle(t *testing.T) {
+	want := ErrNoHandle
+	if err := Init(); err != nil {
+		want = ErrNoDriver
+	}
+	var nilStream *Stream
+	var nilExec *GraphExec
+	var nilGraph *Graph
+	legacy := &Stream{ctx: &Context{}}
+	for name, err := range map[string]error{
+		"nil stream BeginCapture":    nilStream.BeginCapture(CaptureGlobal),
+		"legacy stream BeginCapture": legacy.BeginCapture(CaptureThreadLocal),
+		"nil exec Launch":            nilExec.Launch(legacy),
+		"zero exec Update":           (&GraphExec{}).Update(nilGraph),
+	} {
+		if !errors.Is(err, want) {
+			t.Errorf("%s: %v, want %v", name, err, want)
+		}
+	}
+	if _, err := nilGraph.Instantiate(); !errors.Is(err, want) {
+		t.Errorf("nil graph Instantiate: %v, want %v", err, want)
+	}
+	if err := errors.Join(nilGraph.Destroy(), nilExec.Destroy(), (&Graph{}).Destroy(), (&GraphExec{}).Destroy()); err != nil {
+		t.Errorf("Destroy of nothing: %v", err)
+	}
+}
+
+func TestGraphUpdateError(t *testing.T) {
+	err := error(&GraphUpdateError{Reason: GraphUpdateTopologyChanged, Err: &Error{Op: "cuGraphExecUpdate", Code: ErrorGraphExecUpdateFailure}})
+	for _, want := range []string{"topology changed", "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE", "910"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("%q lacks %q", err, want)
+		}
+	}
+	if Code(err) != ErrorGraphExecUpdateFailure {
+		t.Errorf("Code %v", Code(err))
+	}
+	var ue *GraphUpdateError
+	if !errors.As(fmt.Errorf("wrapped: %w", err), &ue) || ue.Reason != GraphUpdateTopologyChanged {
+		t.Error("errors.As did not find the update error")
+	}
+	if GraphUpdateResult(42).String() != "graph-update-result(42)" || CaptureInvalidated.String() != "invalidated" {
+		t.Error("names of unknown values")
 	}
 }
 

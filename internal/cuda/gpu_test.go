@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -724,4 +725,137 @@ func BenchmarkScatterPeer(b *testing.B) {
 			must(b, r.s.Synchronize())
 		}
 	})
+}
+
+// TestGPUGraph captures a memset, a kernel and a copy on a created stream,
+// checks that nothing runs during capture, replays the graph, updates it in
+// place with other parameters, sees a topology change refused (the exec
+// still replays its old work) and a broken capture leave the stream usable.
+func TestGPUGraph(t *testing.T) {
+	c := gpus(t, 1)[0]
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m, err := kernels(t).Load(c, "copy_kernels")
+	must(t, err)
+	defer m.Unload()
+	fill, err := m.Function("mc_fill_pattern")
+	must(t, err)
+	s, err := c.NewStream(StreamNonBlocking)
+	must(t, err)
+	defer s.Destroy()
+	const n = 1 << 20
+	a, err := c.MemAlloc(n)
+	must(t, err)
+	defer c.MemFree(a)
+	b, err := c.MemAlloc(n)
+	must(t, err)
+	defer c.MemFree(b)
+	poisonB := func() {
+		t.Helper()
+		must(t, s.MemsetD8(b, poison, n))
+		must(t, s.Synchronize())
+	}
+	read := func() []byte {
+		t.Helper()
+		got := make([]byte, n)
+		must(t, c.MemcpyDtoH(got, b))
+		return got
+	}
+	capture := func(seed uint64, val byte) *Graph {
+		t.Helper()
+		must(t, s.BeginCapture(CaptureThreadLocal))
+		st, err := s.CaptureStatus()
+		must(t, err)
+		if st != CaptureActive {
+			t.Fatalf("capture status %v after BeginCapture", st)
+		}
+		must(t, s.MemsetD8(b, val, n/2))
+		must(t, s.Launch(fill, D1(64), D1(256), 0, a, uint64(n), seed))
+		must(t, s.MemcpyDtoD(b+n/2, a+n/2, n/2))
+		g, err := s.EndCapture()
+		must(t, err)
+		return g
+	}
+	verify := func(what string, seed uint64, val byte) {
+		t.Helper()
+		got := read()
+		want := make([]byte, n)
+		for i := range want[:n/2] {
+			want[i] = val
+		}
+		PatternFill(want[n/2:], n/2, seed)
+		if !bytes.Equal(got, want) {
+			i := 0
+			for got[i] == want[i] {
+				i++
+			}
+			t.Fatalf("%s: byte %d is %#x, want %#x", what, i, got[i], want[i])
+		}
+	}
+
+	poisonB()
+	g1 := capture(7, 0x11)
+	for i, x := range read() {
+		if x != poison {
+			t.Fatalf("byte %d written during capture", i)
+		}
+	}
+	nodes, err := g1.NodeCount()
+	must(t, err)
+	if nodes != 3 {
+		t.Errorf("graph has %d nodes, want 3", nodes)
+	}
+	e, err := g1.Instantiate()
+	must(t, err)
+	must(t, g1.Destroy())
+	defer e.Destroy()
+	must(t, e.Upload(s))
+	for rep := range 2 {
+		poisonB()
+		must(t, e.Launch(s))
+		must(t, s.Synchronize())
+		verify(fmt.Sprintf("replay %d", rep), 7, 0x11)
+	}
+
+	g2 := capture(9, 0x22)
+	must(t, e.Update(g2))
+	must(t, g2.Destroy())
+	poisonB()
+	must(t, e.Launch(s))
+	must(t, s.Synchronize())
+	verify("after update", 9, 0x22)
+
+	must(t, s.BeginCapture(CaptureThreadLocal))
+	must(t, s.MemsetD8(b, 1, n))
+	g3, err := s.EndCapture()
+	must(t, err)
+	err = e.Update(g3)
+	must(t, g3.Destroy())
+	var ue *GraphUpdateError
+	if !errors.As(err, &ue) || ue.Reason == GraphUpdateSuccess {
+		t.Fatalf("update with another topology: %v, want a *GraphUpdateError", err)
+	}
+	t.Logf("topology change refused: %v", err)
+	poisonB()
+	must(t, e.Launch(s))
+	must(t, s.Synchronize())
+	verify("after a refused update", 9, 0x22)
+
+	must(t, s.BeginCapture(CaptureThreadLocal))
+	if err := s.Synchronize(); err == nil {
+		t.Error("Synchronize during capture succeeded")
+	}
+	if g, err := s.EndCapture(); err == nil {
+		g.Destroy()
+		t.Error("EndCapture of a broken capture succeeded")
+	} else {
+		t.Logf("broken capture: %v", err)
+	}
+	if st, err := s.CaptureStatus(); err != nil || st != CaptureNone {
+		t.Fatalf("after a broken capture: status %v, %v", st, err)
+	}
+	poisonB()
+	must(t, e.Launch(s))
+	must(t, s.Synchronize())
+	verify("after a broken capture", 9, 0x22)
 }

@@ -354,3 +354,44 @@ func cuLaunchKernel(c, f unsafe.Pointer, grid, block Dim3, shmem uint32, s unsaf
 		C.uint(grid.X), C.uint(grid.Y), C.uint(grid.Z), C.uint(block.X), C.uint(block.Y), C.uint(block.Z),
 		C.uint(shmem), C.CUstream(s), ap, op, C.int(len(offsets))))
 }
+
+func cuStreamBeginCapture(c, s unsafe.Pointer, mode int) Result {
+	return r(C.mc_cuStreamBeginCapture(C.CUcontext(c), C.CUstream(s), C.int(mode)))
+}
+func cuStreamEndCapture(c, s unsafe.Pointer) (unsafe.Pointer, Result) {
+	var g C.CUgraph
+	res := r(C.mc_cuStreamEndCapture(C.CUcontext(c), C.CUstream(s), &g))
+	return unsafe.Pointer(g), res
+}
+func cuStreamIsCapturing(c, s unsafe.Pointer) (int, Result) {
+	var st C.int
+	res := r(C.mc_cuStreamIsCapturing(C.CUcontext(c), C.CUstream(s), &st))
+	return int(st), res
+}
+func cuGraphInstantiate(c, g unsafe.Pointer, flags uint64) (unsafe.Pointer, Result) {
+	var e C.CUgraphExec
+	res := r(C.mc_cuGraphInstantiate(C.CUcontext(c), &e, C.CUgraph(g), C.ulonglong(flags)))
+	return unsafe.Pointer(e), res
+}
+func cuGraphUpload(c, e, s unsafe.Pointer) Result {
+	return r(C.mc_cuGraphUpload(C.CUcontext(c), C.CUgraphExec(e), C.CUstream(s)))
+}
+func cuGraphLaunch(c, e, s unsafe.Pointer) Result {
+	return r(C.mc_cuGraphLaunch(C.CUcontext(c), C.CUgraphExec(e), C.CUstream(s)))
+}
+func cuGraphExecUpdate(c, e, g unsafe.Pointer) (int, Result) {
+	var reason C.int
+	res := r(C.mc_cuGraphExecUpdate(C.CUcontext(c), C.CUgraphExec(e), C.CUgraph(g), &reason))
+	return int(reason), res
+}
+func cuGraphExecDestroy(c, e unsafe.Pointer) Result {
+	return r(C.mc_cuGraphExecDestroy(C.CUcontext(c), C.CUgraphExec(e)))
+}
+func cuGraphDestroy(c, g unsafe.Pointer) Result {
+	return r(C.mc_cuGraphDestroy(C.CUcontext(c), C.CUgraph(g)))
+}
+func cuGraphNodeCount(c, g unsafe.Pointer) (int, Result) {
+	var n C.size_t
+	res := r(C.mc_cuGraphNodeCount(C.CUcontext(c), C.CUgraph(g), &n))
+	return int(n), res
+}

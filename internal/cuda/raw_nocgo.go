@@ -108,6 +108,20 @@ func cuFuncGetAttribute(unsafe.Pointer, unsafe.Pointer, int) (int, Result) { ret
 func cuLaunchKernel(unsafe.Pointer, unsafe.Pointer, Dim3, Dim3, uint32, unsafe.Pointer, []byte, []uint32) Result {
 	return noCgo
 }
+func cuStreamBeginCapture(unsafe.Pointer, unsafe.Pointer, int) Result { return noCgo }
+func cuStreamEndCapture(unsafe.Pointer, unsafe.Pointer) (unsafe.Pointer, Result) {
+	return nil, noCgo
+}
+func cuStreamIsCapturing(unsafe.Pointer, unsafe.Pointer) (int, Result) { return 0, noCgo }
+func cuGraphInstantiate(unsafe.Pointer, unsafe.Pointer, uint64) (unsafe.Pointer, Result) {
+	return nil, noCgo
+}
+func cuGraphUpload(unsafe.Pointer, unsafe.Pointer, unsafe.Pointer) Result            { return noCgo }
+func cuGraphLaunch(unsafe.Pointer, unsafe.Pointer, unsafe.Pointer) Result            { return noCgo }
+func cuGraphExecUpdate(unsafe.Pointer, unsafe.Pointer, unsafe.Pointer) (int, Result) { return 0, noCgo }
+func cuGraphExecDestroy(unsafe.Pointer, unsafe.Pointer) Result                       { return noCgo }
+func cuGraphDestroy(unsafe.Pointer, unsafe.Pointer) Result                           { return noCgo }
+func cuGraphNodeCount(unsafe.Pointer, unsafe.Pointer) (int, Result)                  { return 0, noCgo }
 func nvrtcCompile(string, string, []string, bool) ([]byte, string, error) {
 	return nil, "", ErrUnavailable
 }

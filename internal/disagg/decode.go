@@ -19,6 +19,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // DecodeConfig configures the decode side. Zero values mean the defaults
@@ -27,13 +28,25 @@ type DecodeConfig struct {
 	Transfer *transfer.Engine
 	Info     Info
 	Pages    *kvcache.Allocator
-	// Timeout bounds the whole wait for a room's KV, bootstrap included
-	// (default 10s).
+	// PagesFor is how many pages a request needs in all (engine.KVPages):
+	// they are reserved before the KV arrives, so the request never waits
+	// for pages once it is in the engine. nil: the prompt's pages only.
+	PagesFor func(*engine.Request) (int, error)
+	// QueueWait bounds the wait for those pages, in arrival order (default
+	// 60s). The bootstrap and KV bound, Timeout, starts once they are
+	// reserved.
+	QueueWait time.Duration
+	// Timeout bounds the bootstrap and the wait for a room's KV (default
+	// 10s); it restarts while the prefill reports the room still queued
+	// for its own pages.
 	Timeout time.Duration
 	// Heartbeat is the period of checks on the prefill's bootstrap server
 	// while waiting (default 500ms); two misses in a row fail the room.
-	Heartbeat  time.Duration
-	AuxSlots   int // default 4096
+	Heartbeat time.Duration
+	AuxSlots  int // default 4096
+	// Secret authenticates this side to the bootstrap server and checks its
+	// answers (zero: no authentication).
+	Secret     auth.Secret
 	Logger     *zap.Logger
 	Registerer prometheus.Registerer
 }
@@ -48,7 +61,8 @@ type Decode struct {
 
 	mu    sync.Mutex
 	rooms map[uint64]chan Result
-	wg    sync.WaitGroup // Prepares in flight
+	infos map[string]Info // prefill bootstrap URL -> its info, until it restarts
+	wg    sync.WaitGroup  // Prepares in flight
 	// ctx ends at Close (cancel, under mu): Prepare refuses new rooms and
 	// the ones waiting end.
 	ctx    context.Context
@@ -64,6 +78,9 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	cfg.Info.AuxBytes = AuxSize
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 10 * time.Second
+	}
+	if cfg.QueueWait == 0 {
+		cfg.QueueWait = 60 * time.Second
 	}
 	if cfg.Heartbeat == 0 {
 		cfg.Heartbeat = 500 * time.Millisecond
@@ -81,9 +98,10 @@ func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	}
 	cctx, cancel := context.WithCancel(context.Background())
 	return &Decode{cfg: cfg, lg: lg.Named("disagg.decode"), m: newMetrics(cfg.Registerer, "decode"), aux: aux,
-		rooms: map[uint64]chan Result{}, ctx: cctx, cancel: cancel,
+		rooms: map[uint64]chan Result{}, infos: map[string]Info{}, ctx: cctx, cancel: cancel,
 		client: &http.Client{Transport: &http.Transport{
 			DialContext: (&net.Dialer{Timeout: 2 * time.Second}).DialContext, MaxIdleConnsPerHost: 64,
+			ResponseHeaderTimeout: 5 * time.Second,
 		}}}, nil
 }
 
@@ -128,16 +146,17 @@ func (d *Decode) OnNotify(n transfer.Notification) {
 	}
 }
 
-// Prepare reserves pages for req's prompt, registers the room with the
-// prefill server at host:port, and waits (bounded) until the prefill has
-// written the KV and the first token. On success req is a Preloaded request
-// owning the pages; on failure every page is released and the error says
-// why.
+// Prepare reserves every page req needs (waiting in arrival order up to
+// QueueWait), registers the room with the prefill server at host:port, and
+// waits (bounded) until the prefill has written the KV and the first token.
+// On success req is a Preloaded request holding the pages' table (which
+// passes to the engine with Submit); on failure every page is released and
+// the error, a *RoomError, says why.
 func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, port int, room uint64) (err error) {
 	d.mu.Lock()
 	if d.ctx.Err() != nil {
 		d.mu.Unlock()
-		return ErrDecodeClosing
+		return roomErr(room, ReasonShutdown, ErrDecodeClosing)
 	}
 	d.wg.Add(1)
 	d.mu.Unlock()
@@ -156,27 +175,41 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 	defer func() {
 		d.m.rooms.WithLabelValues("decode", state.String()).Dec()
 		if err != nil {
+			re := roomErr(room, ReasonTransfer, err)
+			err = re
 			d.m.requests.WithLabelValues("decode", "failed").Inc()
-			d.m.failures.WithLabelValues("decode", reasonOf(err)).Inc()
+			d.m.failures.WithLabelValues("decode", string(re.Reason)).Inc()
 			lg.Warn("room failed", zap.Error(err), zap.Duration("after", time.Since(start)))
 		} else {
 			d.m.requests.WithLabelValues("decode", "success").Inc()
 		}
 	}()
 
-	wctx, cancel := context.WithTimeout(ctx, d.cfg.Timeout)
+	// ctx ends with the client, Close, or the bounds below.
+	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	defer context.AfterFunc(d.ctx, cancel)() // Close ends the wait
-	ps := d.cfg.Info.Layout.PageSize
-	n := (len(req.InputIDs) + ps - 1) / ps
-	pages, err := d.allocPages(wctx, n)
+	defer context.AfterFunc(d.ctx, cancel)()
+	why := func(reason Reason, err error) *RoomError { // a wait ended: say by what
+		switch {
+		case d.ctx.Err() != nil:
+			return roomErr(room, ReasonShutdown, fmt.Errorf("%w while waiting for room %d", ErrDecodeClosing, room))
+		case ctx.Err() != nil && context.Cause(ctx) == context.Canceled:
+			return roomErr(room, ReasonCanceled, fmt.Errorf("request aborted: %w", err))
+		}
+		return roomErr(room, reason, err)
+	}
+
+	table, err := d.reserve(ctx, req)
 	if err != nil {
+		if errors.Is(err, kvcache.ErrOutOfPages) {
+			return why(ReasonPoolFull, err)
+		}
 		return err
 	}
 	slot, err := d.aux.get()
 	if err != nil {
-		d.cfg.Pages.Release(pages)
-		return err
+		table.Release()
+		return roomErr(room, ReasonPoolFull, err)
 	}
 	ch := make(chan Result, 1)
 	d.mu.Lock()
@@ -190,24 +223,51 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 	}
 	releaseAll := func() {
 		cleanup()
-		if rerr := d.cfg.Pages.Release(pages); rerr != nil {
+		if rerr := table.Release(); rerr != nil {
 			lg.Error("releasing pages", zap.Error(rerr))
 		}
 	}
 
-	info, err := d.prefillInfo(wctx, boot)
+	// The bootstrap and KV bound starts now that the pages are ours.
+	deadline := time.Now().Add(d.cfg.Timeout)
+	bctx, bcancel := context.WithDeadline(ctx, deadline)
+	forget := func() { // the prefill may have changed: ask it next time
+		d.mu.Lock()
+		delete(d.infos, boot)
+		d.mu.Unlock()
+	}
+	ps := d.cfg.Info.Layout.PageSize
+	prompt := (len(req.InputIDs) + ps - 1) / ps
+	var info Info
+	// Two tries: a remembered info may belong to a prefill that restarted
+	// since, which refuses the registration as meant for another process.
+	for try := 0; try < 2; try++ {
+		if info, err = d.prefillInfo(bctx, boot); err != nil {
+			break
+		}
+		if err = d.cfg.Info.Check(info); err != nil {
+			err = roomErr(room, ReasonMismatch, fmt.Errorf("prefill %s: %w", boot, err))
+			break
+		}
+		rr := RoomRequest{Room: room, Decode: d.cfg.Info, Pages: table.IDs()[:prompt], AuxAddr: d.aux.addr(slot),
+			Tokens: len(req.InputIDs), Want: info.Incarnation}
+		if err = d.post(bctx, boot+"/bootstrap/rooms", rr); err == nil {
+			break
+		}
+		err = fmt.Errorf("register room with prefill %s: %w", boot, err)
+		forget()
+		if reasonOf(err, "") != ReasonPeerDead {
+			break
+		}
+	}
+	bcancel()
 	if err != nil {
+		forget()
 		releaseAll()
-		return err
-	}
-	if err := d.cfg.Info.Check(info); err != nil {
-		releaseAll()
-		return fmt.Errorf("prefill %s: %w", boot, err)
-	}
-	rr := RoomRequest{Room: room, Decode: d.cfg.Info, Pages: pages, AuxAddr: d.aux.addr(slot), Tokens: len(req.InputIDs)}
-	if err := d.post(wctx, boot+"/bootstrap/rooms", rr); err != nil {
-		releaseAll()
-		return fmt.Errorf("register room with prefill %s: %w", boot, err)
+		if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
+			return why(ReasonBootstrapTimeout, fmt.Errorf("bootstrap with prefill %s within %v: %w", boot, d.cfg.Timeout, err))
+		}
+		return roomErr(room, reasonOf(err, ReasonPeerDead), err)
 	}
 	setState(WaitingForInput)
 	d.m.bootstrap.Observe(time.Since(start).Seconds())
@@ -215,56 +275,88 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 
 	hb := time.NewTicker(d.cfg.Heartbeat)
 	defer hb.Stop()
+	timer := time.NewTimer(time.Until(deadline))
+	defer timer.Stop()
 	misses := 0
 	for {
 		select {
 		case res := <-ch:
 			if !res.OK {
 				releaseAll()
-				return fmt.Errorf("prefill %s failed the room: %s", boot, res.Error)
+				return roomErr(room, knownReason(res.Reason), fmt.Errorf("prefill %s failed the room: %s", boot, res.Error))
 			}
 			r, tok, lp, top := decodeAux(d.aux.slot(slot))
 			if r != room {
 				releaseAll()
-				return fmt.Errorf("aux slot holds room %d, want %d: first token missing", r, room)
+				return roomErr(room, ReasonTransfer, fmt.Errorf("aux slot holds room %d, want %d: first token missing", r, room))
 			}
 			cleanup()
 			setState(Success)
 			d.m.wait.Observe(time.Since(waitStart).Seconds())
-			req.Preloaded = &engine.Preloaded{Pages: pages, FirstToken: tok, FirstLogprob: lp, FirstTop: top}
-			lg.Debug("kv in place", zap.Int("pages", len(pages)), zap.Int64("bytes", res.Bytes),
+			req.Preloaded = &engine.Preloaded{Table: table, FirstToken: tok, FirstLogprob: lp, FirstTop: top, CachedTokens: res.CachedTokens}
+			lg.Debug("kv in place", zap.Int("pages", prompt), zap.Int64("bytes", res.Bytes),
 				zap.Float64("transfer_seconds", res.TransferSeconds), zap.Duration("wait", time.Since(waitStart)))
 			return nil
 		case <-hb.C:
-			inc, roomErr, herr := d.health(wctx, boot, room)
+			h, herr := d.health(ctx, boot, room)
 			switch {
-			case herr == nil && roomErr != "":
+			case herr == nil && h.RoomError != "":
 				releaseAll() // the prefill buried the room: no transfer of it is in flight
-				return fmt.Errorf("prefill %s failed the room: %s", boot, roomErr)
-			case herr == nil && inc != info.Incarnation:
+				return roomErr(room, knownReason(Reason(h.RoomReason)), fmt.Errorf("prefill %s failed the room: %s", boot, h.RoomError))
+			case herr == nil && h.Incarnation != info.Incarnation:
+				forget()
 				releaseAll() // a restarted prefill will never write into these pages
-				return fmt.Errorf("%w: %s restarted (incarnation %s, was %s)", ErrPrefillUnreachable, boot, inc, info.Incarnation)
-			case herr != nil && wctx.Err() == nil:
+				return roomErr(room, ReasonPeerDead, fmt.Errorf("%w: %s restarted (incarnation %s, was %s)", ErrPrefillUnreachable, boot, h.Incarnation, info.Incarnation))
+			case herr != nil && errors.Is(herr, ErrAuth):
+				releaseAll()
+				return roomErr(room, ReasonAuth, herr)
+			case herr != nil && ctx.Err() == nil:
 				if misses++; misses >= 2 {
 					releaseAll()
-					return fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, boot, herr)
+					return roomErr(room, ReasonPeerDead, fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, boot, herr))
 				}
 			default:
 				misses = 0
+				if h.Room == "queued" {
+					// The prefill waits for its own pages (bounded there):
+					// the KV bound runs from when it starts.
+					deadline = time.Now().Add(d.cfg.Timeout)
+					timer.Reset(d.cfg.Timeout)
+				}
 			}
-		case <-wctx.Done():
-			why := fmt.Errorf("%w: KV for room %d did not arrive within %v", ErrKVTimeout, room, d.cfg.Timeout)
-			switch {
-			case ctx.Err() != nil:
-				why = fmt.Errorf("request aborted while waiting for KV: %w", ctx.Err())
-			case d.ctx.Err() != nil:
-				why = fmt.Errorf("%w while waiting for the KV of room %d", ErrDecodeClosing, room)
-			}
+		case <-timer.C:
 			d.cancelRemote(boot, room, lg)
 			releaseAll()
-			return why
+			return roomErr(room, ReasonKVTimeout, fmt.Errorf("%w: KV for room %d did not arrive within %v", ErrKVTimeout, room, d.cfg.Timeout))
+		case <-ctx.Done():
+			d.cancelRemote(boot, room, lg)
+			releaseAll()
+			return why(ReasonCanceled, context.Cause(ctx))
 		}
 	}
+}
+
+// reserve takes every page req will need, waiting up to QueueWait.
+func (d *Decode) reserve(ctx context.Context, req *engine.Request) (*kvcache.Table, error) {
+	ps := d.cfg.Info.Layout.PageSize
+	n := (len(req.InputIDs) + ps - 1) / ps
+	if d.cfg.PagesFor != nil {
+		need, err := d.cfg.PagesFor(req)
+		if err != nil {
+			return nil, roomErr(req.Room, ReasonInvalid, err)
+		}
+		n = max(n, need)
+	}
+	qctx, cancel := context.WithTimeout(ctx, d.cfg.QueueWait)
+	defer cancel()
+	t, err := d.cfg.Pages.TakeWait(qctx, n)
+	if err != nil {
+		if n > d.cfg.Pages.Total() {
+			return nil, roomErr(req.Room, ReasonInvalid, fmt.Errorf("decode KV pool: %w", err))
+		}
+		return nil, fmt.Errorf("%w: %d pages within %v (--max-queue-wait): %w", ErrPoolFull, n, d.cfg.QueueWait, err)
+	}
+	return t, nil
 }
 
 // cancelRemote asks the prefill to drop the room. The prefill answers once
@@ -280,81 +372,97 @@ func (d *Decode) cancelRemote(boot string, room uint64, lg *zap.Logger) {
 	}
 }
 
-func (d *Decode) allocPages(ctx context.Context, n int) ([]int32, error) {
-	for {
-		pages, err := d.cfg.Pages.Alloc(n)
-		if err == nil {
-			return pages, nil
-		}
-		if !errors.Is(err, kvcache.ErrOutOfPages) || n > d.cfg.Pages.Total() {
-			return nil, fmt.Errorf("decode KV pool: %w", err)
-		}
-		select {
-		case <-ctx.Done():
-			return nil, fmt.Errorf("%w: %w", ErrPoolFull, err)
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
-}
-
+// prefillInfo is the prefill's info, asked once per prefill incarnation
+// (the heartbeats and a failed registration notice a change).
 func (d *Decode) prefillInfo(ctx context.Context, boot string) (Info, error) {
-	var info Info
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, boot+"/bootstrap/info", nil)
-	resp, err := d.client.Do(req)
-	if err != nil {
-		return info, fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, boot, err)
+	d.mu.Lock()
+	info, ok := d.infos[boot]
+	d.mu.Unlock()
+	if ok {
+		return info, nil
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode != 200 {
-		return info, fmt.Errorf("prefill bootstrap server %s: /bootstrap/info answered %d", boot, resp.StatusCode)
+	if err := d.call(ctx, http.MethodGet, boot+"/bootstrap/info", nil, &info); err != nil {
+		return info, err
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&info); err != nil {
-		return info, fmt.Errorf("prefill bootstrap server %s: bad info: %w", boot, err)
-	}
+	d.mu.Lock()
+	d.infos[boot] = info
+	d.mu.Unlock()
 	return info, nil
 }
 
-// health returns the prefill's incarnation and, if the prefill failed the
-// room, why.
-func (d *Decode) health(ctx context.Context, boot string, room uint64) (inc, roomErr string, err error) {
+type health struct {
+	Incarnation string `json:"incarnation"`
+	Room        string `json:"room"`
+	RoomError   string `json:"room_error"`
+	RoomReason  string `json:"room_reason"`
+}
+
+func (d *Decode) health(ctx context.Context, boot string, room uint64) (health, error) {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.Heartbeat*2)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, boot+"/bootstrap/health?room="+strconv.FormatUint(room, 10), nil)
-	resp, err := d.client.Do(req)
-	if err != nil {
-		return "", "", err
-	}
-	defer resp.Body.Close()
-	var h struct {
-		Incarnation string `json:"incarnation"`
-		RoomError   string `json:"room_error"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil {
-		return "", "", err
-	}
-	return h.Incarnation, h.RoomError, nil
+	var h health
+	err := d.call(ctx, http.MethodGet, boot+"/bootstrap/health?room="+strconv.FormatUint(room, 10), nil, &h)
+	return h, err
 }
 
 func (d *Decode) post(ctx context.Context, url string, v any) error {
 	b, _ := json.Marshal(v)
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(b))
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := d.client.Do(req)
+	return d.call(ctx, http.MethodPost, url, b, nil)
+}
+
+// call makes one signed bootstrap request and checks the answer's proof
+// before decoding it into out (if not nil). A non-200 answer is an error
+// with the prefill's message (a *RoomError with its reason when it gave
+// one).
+func (d *Decode) call(ctx context.Context, method, url string, body []byte, out any) error {
+	req, err := http.NewRequestWithContext(ctx, method, url, bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	mac := signRequest(d.cfg.Secret, req, body, time.Now())
+	resp, err := d.client.Do(req)
+	if err != nil {
+		return fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, req.URL.Host, err)
+	}
 	defer resp.Body.Close()
-	if resp.StatusCode != 200 {
-		body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+	rb, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return fmt.Errorf("%w: bootstrap server %s: %w", ErrPrefillUnreachable, req.URL.Host, err)
+	}
+	if err := checkResponse(d.cfg.Secret, mac, resp, rb); err != nil {
+		d.m.authFailures.Inc()
 		var e struct {
 			Error struct {
 				Message string `json:"message"`
 			} `json:"error"`
 		}
-		if json.Unmarshal(body, &e) == nil && e.Error.Message != "" {
+		if resp.StatusCode == http.StatusUnauthorized && json.Unmarshal(rb, &e) == nil && e.Error.Message != "" {
+			return fmt.Errorf("%w: bootstrap server %s refused us: %s", ErrAuth, req.URL.Host, e.Error.Message)
+		}
+		return fmt.Errorf("bootstrap server %s: %w", req.URL.Host, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		var e struct {
+			Error struct {
+				Message string `json:"message"`
+				Reason  Reason `json:"reason"`
+			} `json:"error"`
+		}
+		if json.Unmarshal(rb, &e) == nil && e.Error.Message != "" {
+			if e.Error.Reason != "" {
+				return &RoomError{Reason: knownReason(e.Error.Reason), Err: errors.New(e.Error.Message)}
+			}
 			return errors.New(e.Error.Message)
 		}
-		return fmt.Errorf("HTTP %d: %s", resp.StatusCode, body)
+		return fmt.Errorf("%s %s: HTTP %d: %s", method, req.URL.Path, resp.StatusCode, rb)
+	}
+	if out != nil {
+		if err := json.Unmarshal(rb, out); err != nil {
+			return fmt.Errorf("bootstrap server %s: bad answer to %s: %w", req.URL.Host, req.URL.Path, err)
+		}
 	}
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -20,6 +21,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
 )
 
@@ -79,7 +81,17 @@ type pdOpts struct {
 	decodeLayout                             *kvcache.Layout
 	failTransfers                            bool
 	pushByLayer                              bool
+	queueWait                                time.Duration
 }
+
+// testSecret is the cluster secret of the bootstrap calls in these tests.
+var testSecret = func() auth.Secret {
+	s, err := auth.New("disagg-test-secret-0123", "test")
+	if err != nil {
+		panic(err)
+	}
+	return s
+}()
 
 func newPD(t *testing.T, o pdOpts) *pd {
 	t.Helper()
@@ -100,13 +112,14 @@ func newPD(t *testing.T, o pdOpts) *pd {
 	})
 	var err error
 	x.p, err = NewPrefill(context.Background(), PrefillConfig{Transfer: x.pre.te, Info: x.pre.info, Listen: "127.0.0.1:0",
-		Timeout: o.prefillTimeout, AuxSlots: 8, FailTransfers: o.failTransfers, PushByLayer: o.pushByLayer})
+		Timeout: o.prefillTimeout, QueueWait: o.queueWait, AuxSlots: 8, FailTransfers: o.failTransfers, PushByLayer: o.pushByLayer,
+		Secret: testSecret})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { x.p.Close() })
 	x.d, err = NewDecode(context.Background(), DecodeConfig{Transfer: x.dec.te, Info: x.dec.info, Pages: x.dec.pages,
-		Timeout: o.decodeTimeout, Heartbeat: o.heartbeat, AuxSlots: 8})
+		Timeout: o.decodeTimeout, QueueWait: o.queueWait, Heartbeat: o.heartbeat, AuxSlots: 8, Secret: testSecret})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -324,12 +337,12 @@ func TestRoomSuccess(t *testing.T) {
 			if pl == nil || pl.FirstToken != 77 || pl.FirstLogprob != -0.25 || !slices.Equal(pl.FirstTop, f.top) {
 				t.Fatalf("Preloaded = %+v, want first token 77, logprob -0.25, top %v", pl, f.top)
 			}
-			if len(pl.Pages) != len(f.pages) {
-				t.Fatalf("decode has %d pages, prefill %d", len(pl.Pages), len(f.pages))
+			if len(pl.Table.IDs()) != len(f.pages) {
+				t.Fatalf("decode has %d pages, prefill %d", len(pl.Table.IDs()), len(f.pages))
 			}
-			for i := 1; tc.fragment && i < len(pl.Pages); i++ {
-				if pl.Pages[i] == pl.Pages[i-1]+1 {
-					t.Fatalf("decode pages %v are not fragmented", pl.Pages)
+			for i := 1; tc.fragment && i < len(pl.Table.IDs()); i++ {
+				if pl.Table.IDs()[i] == pl.Table.IDs()[i-1]+1 {
+					t.Fatalf("decode pages %v are not fragmented", pl.Table.IDs())
 				}
 			}
 			// The pages between them were not written.
@@ -346,9 +359,9 @@ func TestRoomSuccess(t *testing.T) {
 				for l := 0; l < testLayout.Layers; l++ {
 					for k := kvcache.K; k <= kvcache.V; k++ {
 						want := x.pre.pool.Page(l, k, int(f.pages[i]))
-						got := x.dec.pool.Page(l, k, int(pl.Pages[i]))
+						got := x.dec.pool.Page(l, k, int(pl.Table.IDs()[i]))
 						if !bytes.Equal(want, got) {
-							t.Fatalf("prompt page %d (decode page %d) layer %d kind %d differs from the prefill's", i, pl.Pages[i], l, k)
+							t.Fatalf("prompt page %d (decode page %d) layer %d kind %d differs from the prefill's", i, pl.Table.IDs()[i], l, k)
 						}
 					}
 				}
@@ -356,10 +369,10 @@ func TestRoomSuccess(t *testing.T) {
 			f.waitReleased(t, 2*time.Second)
 			waitFor(t, "prefill rooms gone", 2*time.Second, func() bool { return x.p.Rooms() == 0 })
 			// The pages belong to the decode engine now; it frees them.
-			if got, want := x.dec.pages.Free(), testLayout.Pages-len(pl.Pages)-len(held); got != want {
+			if got, want := x.dec.pages.Free(), testLayout.Pages-len(pl.Table.IDs())-len(held); got != want {
 				t.Fatalf("decode free pages %d, want %d", got, want)
 			}
-			if err := x.dec.pages.Release(pl.Pages); err != nil {
+			if err := pl.Table.Release(); err != nil {
 				t.Fatal(err)
 			}
 			if err := x.dec.pages.Release(held); err != nil {
@@ -440,14 +453,14 @@ func TestPushByLayer(t *testing.T) {
 	for i := range f.pages {
 		for l := 0; l < testLayout.Layers; l++ {
 			for k := kvcache.K; k <= kvcache.V; k++ {
-				if !bytes.Equal(x.pre.pool.Page(l, k, int(f.pages[i])), x.dec.pool.Page(l, k, int(pl.Pages[i]))) {
+				if !bytes.Equal(x.pre.pool.Page(l, k, int(f.pages[i])), x.dec.pool.Page(l, k, int(pl.Table.IDs()[i]))) {
 					t.Fatalf("prompt page %d layer %d kind %d differs", i, l, k)
 				}
 			}
 		}
 	}
 	f.waitReleased(t, 2*time.Second)
-	if err := x.dec.pages.Release(pl.Pages); err != nil {
+	if err := pl.Table.Release(); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -519,12 +532,12 @@ func TestManyRooms(t *testing.T) {
 				errs <- fmt.Errorf("room %d: first token %d, want %d", room, dreq.Preloaded.FirstToken, i)
 			}
 			for j := range f.pages {
-				if !bytes.Equal(x.pre.pool.Page(1, kvcache.V, int(f.pages[j])), x.dec.pool.Page(1, kvcache.V, int(dreq.Preloaded.Pages[j]))) {
+				if !bytes.Equal(x.pre.pool.Page(1, kvcache.V, int(f.pages[j])), x.dec.pool.Page(1, kvcache.V, int(dreq.Preloaded.Table.IDs()[j]))) {
 					errs <- fmt.Errorf("room %d: page %d differs", room, j)
 				}
 			}
 			<-f.released
-			x.dec.pages.Release(dreq.Preloaded.Pages)
+			dreq.Preloaded.Table.Release()
 		}()
 	}
 	wg.Wait()
@@ -563,7 +576,7 @@ func TestFirstTokenAlwaysArrives(t *testing.T) {
 			t.Fatalf("room %d: first token %d, want 3", i, dreq.Preloaded.FirstToken)
 		}
 		f.waitReleased(t, 2*time.Second)
-		x.dec.pages.Release(dreq.Preloaded.Pages)
+		dreq.Preloaded.Table.Release()
 	}
 }
 
@@ -571,7 +584,8 @@ func TestFirstTokenAlwaysArrives(t *testing.T) {
 // releases its pages.
 func TestDecodeNeverRegisters(t *testing.T) {
 	const bound = 300 * time.Millisecond
-	x := newPD(t, pdOpts{prefillTimeout: bound})
+	// The prefill waits QueueWait more: the decode may be queueing for pages.
+	x := newPD(t, pdOpts{prefillTimeout: bound - 100*time.Millisecond, queueWait: 100 * time.Millisecond})
 	preq := &engine.Request{InputIDs: make([]int, 9)}
 	start := time.Now()
 	if err := x.p.Prepare(context.Background(), preq, 7); err != nil {
@@ -619,12 +633,22 @@ func newFakeBootstrap(t *testing.T, info Info) *fakeBootstrap {
 	fb := &fakeBootstrap{info: info, registered: make(chan RoomRequest, 16), canceled: make(chan string, 16),
 		heartbeats: make(chan struct{}, 1), inc: info.Incarnation}
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /bootstrap/info", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, fb.info) })
+	// answer signs as the real bootstrap server does.
+	answer := func(w http.ResponseWriter, r *http.Request, v any) []byte {
+		body, _ := io.ReadAll(r.Body)
+		mac, err := checkRequest(testSecret, r, body, time.Now())
+		if err != nil {
+			t.Errorf("fake bootstrap: %v", err)
+		}
+		writeJSON(w, testSecret, mac, 200, v)
+		return body
+	}
+	mux.HandleFunc("GET /bootstrap/info", func(w http.ResponseWriter, r *http.Request) { answer(w, r, fb.info) })
 	mux.HandleFunc("GET /bootstrap/health", func(w http.ResponseWriter, r *http.Request) {
 		fb.mu.Lock()
 		inc := fb.inc
 		fb.mu.Unlock()
-		writeJSON(w, 200, map[string]string{"incarnation": inc})
+		answer(w, r, map[string]string{"incarnation": inc})
 		select {
 		case fb.heartbeats <- struct{}{}:
 		default:
@@ -632,13 +656,12 @@ func newFakeBootstrap(t *testing.T, info Info) *fakeBootstrap {
 	})
 	mux.HandleFunc("POST /bootstrap/rooms", func(w http.ResponseWriter, r *http.Request) {
 		var rr RoomRequest
-		json.NewDecoder(r.Body).Decode(&rr)
+		json.Unmarshal(answer(w, r, map[string]string{"status": "ok"}), &rr)
 		fb.registered <- rr
-		writeJSON(w, 200, map[string]string{"status": "ok"})
 	})
 	mux.HandleFunc("POST /bootstrap/cancel", func(w http.ResponseWriter, r *http.Request) {
+		answer(w, r, map[string]string{"status": "ok"})
 		fb.canceled <- r.URL.Query().Get("room")
-		writeJSON(w, 200, map[string]string{"status": "ok"})
 	})
 	fb.srv = httptest.NewServer(mux)
 	t.Cleanup(fb.srv.Close)
@@ -753,11 +776,29 @@ func TestMismatchRefused(t *testing.T) {
 			// The prefill refuses such a registration too.
 			rr := RoomRequest{Room: 6, Decode: x.dec.info, Pages: []int32{0, 1, 2}, Tokens: 9}
 			b, _ := json.Marshal(rr)
-			resp, err := http.Post(fmt.Sprintf("http://127.0.0.1:%d/bootstrap/rooms", x.p.Port()), "application/json", bytes.NewReader(b))
-			if err != nil {
-				t.Fatal(err)
+			post := func(s auth.Secret) *http.Response {
+				req, _ := http.NewRequest(http.MethodPost, fmt.Sprintf("http://127.0.0.1:%d/bootstrap/rooms", x.p.Port()), bytes.NewReader(b))
+				if !s.IsZero() {
+					signRequest(s, req, b, time.Now())
+				}
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return resp
 			}
+			// Without the secret, or with another, nothing is looked at.
+			other, _ := auth.New("another-secret-altogether", "test")
+			for _, s := range []auth.Secret{{}, other} {
+				resp := post(s)
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusUnauthorized {
+					t.Fatalf("unauthenticated registration answered %d, want 401", resp.StatusCode)
+				}
+			}
+			resp := post(testSecret)
 			defer resp.Body.Close()
+			t.Cleanup(http.DefaultClient.CloseIdleConnections)
 			var e struct {
 				Error struct{ Message string } `json:"error"`
 			}

@@ -13,6 +13,9 @@ type metrics struct {
 	xferGBps  prometheus.Histogram
 	pushes    *prometheus.CounterVec // by: layer | pass
 	tail      prometheus.Histogram
+	// authFailures counts bootstrap requests or answers that failed the
+	// cluster-secret check.
+	authFailures prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, mode string) *metrics {
@@ -55,9 +58,13 @@ func newMetrics(reg prometheus.Registerer, mode string) *metrics {
 			Name: "mooncake_disagg_kv_tail_seconds", Help: "Prefill: time from the first token's sampling to the notification of decode (the KV push not hidden behind compute).",
 			Buckets: b, ConstLabels: prometheus.Labels{"mode": mode},
 		}),
+		authFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "mooncake_disagg_auth_failures_total", Help: "Bootstrap requests (prefill) or answers (decode) refused by the cluster-secret check.",
+			ConstLabels: prometheus.Labels{"mode": mode},
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps, m.pushes, m.tail)
+		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps, m.pushes, m.tail, m.authFailures)
 	}
 	return m
 }

@@ -5,11 +5,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -21,6 +21,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // PrefillConfig configures the prefill side. Zero values mean the defaults
@@ -30,9 +31,16 @@ type PrefillConfig struct {
 	Info     Info   // this server's model, KV layout, segment and pool address
 	Listen   string // bootstrap server address; port 0 picks a free port
 	// Timeout bounds each wait for the other half of a room: decode's
-	// registration after the request arrived, or the request after decode
-	// registered (default 10s).
-	Timeout    time.Duration
+	// registration after the request arrived (plus QueueWait: the decode
+	// may be waiting for pages), or the request after decode registered
+	// (default 10s).
+	Timeout time.Duration
+	// QueueWait is how long a decode server may queue a request for pages
+	// before it registers the room (its --max-queue-wait; default 60s).
+	QueueWait time.Duration
+	// Secret authenticates the bootstrap server's callers and answers (zero:
+	// no authentication).
+	Secret     auth.Secret
 	AuxSlots   int // staging slots for first tokens (default 4096)
 	Logger     *zap.Logger
 	Registerer prometheus.Registerer
@@ -76,6 +84,9 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	if cfg.Timeout == 0 {
 		cfg.Timeout = 10 * time.Second
 	}
+	if cfg.QueueWait == 0 {
+		cfg.QueueWait = 60 * time.Second
+	}
 	if cfg.AuxSlots == 0 {
 		cfg.AuxSlots = 4096
 	}
@@ -96,24 +107,12 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		rooms: map[uint64]*proom{}, failed: map[uint64]tomb{}}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /bootstrap/info", func(w http.ResponseWriter, r *http.Request) { writeJSON(w, 200, p.cfg.Info) })
-	mux.HandleFunc("GET /bootstrap/health", func(w http.ResponseWriter, r *http.Request) {
-		h := map[string]string{"incarnation": p.cfg.Info.Incarnation}
-		// ?room=N adds why room N failed here, if it did: a decode that
-		// cannot be notified (its descriptor is unusable, say) learns it.
-		if id, err := strconv.ParseUint(r.URL.Query().Get("room"), 10, 64); err == nil {
-			p.mu.Lock()
-			t, failed := p.failed[id]
-			p.mu.Unlock()
-			if failed {
-				h["room_error"] = t.reason
-			}
-		}
-		writeJSON(w, 200, h)
-	})
-	mux.HandleFunc("POST /bootstrap/rooms", p.handleRoom)
-	mux.HandleFunc("POST /bootstrap/cancel", p.handleCancel)
-	p.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	mux.HandleFunc("GET /bootstrap/info", p.authed(func(*http.Request, []byte) (int, any) { return 200, p.cfg.Info }))
+	mux.HandleFunc("GET /bootstrap/health", p.authed(p.handleHealth))
+	mux.HandleFunc("POST /bootstrap/rooms", p.authed(p.handleRoom))
+	mux.HandleFunc("POST /bootstrap/cancel", p.authed(p.handleCancel))
+	p.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second, ReadTimeout: 10 * time.Second,
+		IdleTimeout: 2 * time.Minute, MaxHeaderBytes: 16 << 10}
 	p.wg.Add(1)
 	go func() {
 		defer p.wg.Done()
@@ -133,8 +132,12 @@ func (p *Prefill) Rooms() int {
 	return len(p.rooms)
 }
 
-// Close stops the bootstrap server, fails the rooms in progress and waits
-// for them to release their pages.
+// closeBound bounds Close's wait for the rooms in progress.
+const closeBound = 5 * time.Second
+
+// Close stops the bootstrap server, fails the rooms in progress and waits,
+// bounded, for them to release their pages (a room ends once the engine has
+// let go of its request: the engine must still be running).
 func (p *Prefill) Close() error {
 	p.mu.Lock()
 	p.closed = true
@@ -142,8 +145,21 @@ func (p *Prefill) Close() error {
 	sctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	err := p.srv.Shutdown(sctx)
 	cancel()
+	if err != nil {
+		err = errors.Join(err, p.srv.Close())
+	}
 	p.cancel()
-	p.wg.Wait()
+	done := make(chan struct{})
+	go func() { p.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(closeBound):
+		p.mu.Lock()
+		n := len(p.rooms)
+		p.mu.Unlock()
+		// The aux buffer stays registered: a room may still push from it.
+		return errors.Join(err, fmt.Errorf("disagg: %d prefill rooms still open after %v", n, closeBound))
+	}
 	return errors.Join(err, p.cfg.Transfer.FreeHost(context.Background(), p.aux.mem))
 }
 
@@ -152,15 +168,15 @@ func (p *Prefill) room(id uint64) (*proom, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
-		return nil, errors.New("disagg: prefill server closing")
+		return nil, roomErr(id, ReasonShutdown, errors.New("prefill server shutting down"))
 	}
 	if t, ok := p.failed[id]; ok {
-		return nil, fmt.Errorf("room %d already failed: %s", id, t.reason)
+		return nil, roomErr(id, t.reason, fmt.Errorf("room already failed: %s", t.msg))
 	}
 	r := p.rooms[id]
 	if r == nil {
 		nl := p.cfg.Info.Layout.Layers
-		r = &proom{p: p, id: id, kick: make(chan struct{}, 1), created: time.Now(),
+		r = &proom{p: p, id: id, kick: make(chan struct{}, 1), ready: make(chan struct{}), created: time.Now(),
 			lg: p.lg.With(zap.Uint64("room", id)), layerTok: make([]int, nl), layerFence: make([]compute.Fence, nl),
 			layerSent: make([]int, nl)}
 		p.rooms[id] = r
@@ -171,56 +187,130 @@ func (p *Prefill) room(id uint64) (*proom, error) {
 	return r, nil
 }
 
-func (p *Prefill) handleRoom(w http.ResponseWriter, req *http.Request) {
+// authed wraps a bootstrap handler: the body (at most 1 MiB) is read, the
+// caller's proof checked before anything else happens, and the answer
+// signed. A handler returns the status and the JSON value to send.
+func (p *Prefill) authed(h func(r *http.Request, body []byte) (int, any)) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 1<<20))
+		if err != nil {
+			writeJSON(w, p.cfg.Secret, "", http.StatusBadRequest, errBody("reading the request: "+err.Error(), 400))
+			return
+		}
+		mac, err := checkRequest(p.cfg.Secret, r, body, time.Now())
+		if err != nil {
+			p.m.authFailures.Inc()
+			p.lg.Warn("bootstrap request refused", zap.String("remote", r.RemoteAddr), zap.String("path", r.URL.Path), zap.Error(err))
+			writeJSON(w, auth.Secret{}, "", http.StatusUnauthorized, errBody("authentication failed: "+err.Error(), 401))
+			return
+		}
+		code, v := h(r, body)
+		writeJSON(w, p.cfg.Secret, mac, code, v)
+	}
+}
+
+func errBody(msg string, code int) map[string]any {
+	return map[string]any{"error": map[string]any{"message": msg, "code": code}}
+}
+
+// roomErrBody is a failure's JSON answer, with the reason for the decode.
+func roomErrBody(e *RoomError, code int) map[string]any {
+	return map[string]any{"error": map[string]any{"message": e.Err.Error(), "code": code, "reason": e.Reason}}
+}
+
+func (p *Prefill) handleHealth(r *http.Request, _ []byte) (int, any) {
+	out := map[string]string{"incarnation": p.cfg.Info.Incarnation}
+	if q := r.URL.Query().Get("room"); q != "" {
+		id, err := strconv.ParseUint(q, 10, 64)
+		if err != nil {
+			return 400, errBody("room: "+err.Error(), 400)
+		}
+		out["room"] = p.roomState(id)
+		// Why the room failed here, if it did: a decode the prefill cannot
+		// notify (its descriptor is unusable, say) learns it this way.
+		p.mu.Lock()
+		if t, failed := p.failed[id]; failed {
+			out["room_error"], out["room_reason"] = t.msg, string(t.reason)
+		}
+		p.mu.Unlock()
+	}
+	return 200, out
+}
+
+// roomState says where a room is, for decode's heartbeats: queued (the
+// engine has not admitted its request yet: decode keeps waiting), running,
+// failed or unknown.
+func (p *Prefill) roomState(id uint64) string {
+	p.mu.Lock()
+	r := p.rooms[id]
+	_, failed := p.failed[id]
+	p.mu.Unlock()
+	switch {
+	case r != nil:
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if r.pages == nil && r.err == nil {
+			return "queued"
+		}
+		return "running"
+	case failed:
+		return "failed"
+	}
+	return "unknown"
+}
+
+func (p *Prefill) handleRoom(_ *http.Request, body []byte) (int, any) {
 	var rr RoomRequest
-	if err := json.NewDecoder(http.MaxBytesReader(w, req.Body, 16<<20)).Decode(&rr); err != nil {
-		writeErr(w, 400, "bad room registration: "+err.Error())
-		return
+	if err := json.Unmarshal(body, &rr); err != nil {
+		return 400, errBody("bad room registration: "+err.Error(), 400)
+	}
+	if rr.Want != "" && rr.Want != p.cfg.Info.Incarnation {
+		e := roomErr(rr.Room, ReasonPeerDead, fmt.Errorf("the room is meant for prefill incarnation %s; this is %s (restarted)", rr.Want, p.cfg.Info.Incarnation))
+		return 409, roomErrBody(e, 409)
 	}
 	if err := p.cfg.Info.Check(rr.Decode); err != nil {
-		p.m.failures.WithLabelValues("prefill", "mismatch").Inc()
+		e := roomErr(rr.Room, ReasonMismatch, fmt.Errorf("prefill refuses the room: %w", err))
+		p.m.failures.WithLabelValues("prefill", string(e.Reason)).Inc()
 		p.lg.Warn("room refused", zap.Uint64("room", rr.Room), zap.Error(err))
-		writeErr(w, 400, "prefill refuses room: "+err.Error())
-		return
+		return 400, roomErrBody(e, 400)
 	}
 	r, err := p.room(rr.Room)
 	if err != nil {
+		e := roomErr(rr.Room, ReasonRefused, err)
 		code := 409
-		if p.isClosed() {
+		if e.Reason == ReasonShutdown {
 			code = 503
 		}
-		writeErr(w, code, err.Error())
-		return
+		return code, roomErrBody(e, code)
 	}
 	if err := r.setDst(&rr); err != nil {
-		writeErr(w, 409, err.Error())
-		return
+		return 409, roomErrBody(roomErr(rr.Room, ReasonRefused, err), 409)
 	}
-	writeJSON(w, 200, map[string]string{"status": "ok"})
+	return 200, map[string]string{"status": "ok"}
 }
 
-func (p *Prefill) handleCancel(w http.ResponseWriter, req *http.Request) {
-	id, err := strconv.ParseUint(req.URL.Query().Get("room"), 10, 64)
+func (p *Prefill) handleCancel(r *http.Request, _ []byte) (int, any) {
+	id, err := strconv.ParseUint(r.URL.Query().Get("room"), 10, 64)
 	if err != nil {
-		writeErr(w, 400, "bad room: "+err.Error())
-		return
+		return 400, errBody("bad room: "+err.Error(), 400)
 	}
 	p.mu.Lock()
-	r := p.rooms[id]
+	rm := p.rooms[id]
 	p.mu.Unlock()
-	if r != nil {
-		r.fail("decode canceled the request")
+	if rm != nil {
+		rm.fail(ReasonCanceled, errors.New("decode canceled the request"))
 		// Answer only once no transfer into decode's pages is in flight:
 		// decode frees them as soon as we answer.
-		r.xmu.Lock()
-		r.xmu.Unlock()
+		rm.xmu.Lock()
+		rm.xmu.Unlock()
 	}
-	writeJSON(w, 200, map[string]string{"status": "ok"})
+	return 200, map[string]string{"status": "ok"}
 }
 
 // tomb is a failed room's reason, kept for one Timeout.
 type tomb struct {
-	reason string
+	reason Reason
+	msg    string
 	at     time.Time
 }
 
@@ -243,7 +333,7 @@ func (p *Prefill) bury(id uint64, err error) {
 			delete(p.failed, k)
 		}
 	}
-	p.failed[id] = tomb{reason: err.Error(), at: now}
+	p.failed[id] = tomb{reason: reasonOf(err, ReasonTransfer), msg: err.Error(), at: now}
 }
 
 // Prepare turns req into a prefill-only request of room: the engine will
@@ -263,6 +353,11 @@ func (p *Prefill) Prepare(ctx context.Context, req *engine.Request, room uint64)
 	}
 	return nil
 }
+
+// Ready is closed once decode has said where the KV goes (or the room
+// failed): the engine admits the request only then, so a prefill never
+// holds pages for a room whose decode is still queueing (engine.PrefillGate).
+func (r *proom) Ready() <-chan struct{} { return r.ready }
 
 // layeredRoom is a room that asks the engine for layer calls.
 type layeredRoom struct{ *proom }
@@ -285,7 +380,9 @@ type proom struct {
 	id      uint64
 	lg      *zap.Logger
 	kick    chan struct{}
+	ready   chan struct{} // closed by setDst or fail (readyOnce)
 	created time.Time
+	regAt   time.Time // when decode registered
 	// xmu is held while a push writes into decode's pages, and a push
 	// starts only if the room has not failed: once fail has returned and
 	// xmu was taken and released, no more bytes reach decode.
@@ -303,14 +400,15 @@ type proom struct {
 	logprob float32
 	top     []sampling.TopLogprob
 	release func()
-	doneAt  time.Time // when the engine called Done
-	err     error     // first failure
-	auxSent bool      // the first token is in decode's aux slot
+	doneAt  time.Time  // when the engine called Done
+	err     *RoomError // first failure
+	auxSent bool       // the first token is in decode's aux slot
 	// Per layer: prompt tokens reported written by a layer call (and the
 	// fence to wait for first), and pages pushed.
 	layerTok   []int
 	layerFence []compute.Fence
 	layerSent  []int
+	cached     int // prompt tokens the engine took from its prefix cache
 	bytes      int64
 	xfer       time.Duration
 }
@@ -328,9 +426,19 @@ func (r *proom) setDst(rr *RoomRequest) error {
 	if r.dst != nil {
 		return fmt.Errorf("room %d already registered", r.id)
 	}
-	r.dst = rr
+	r.dst, r.regAt = rr, time.Now()
+	r.open()
 	r.poke()
 	return nil
+}
+
+// open closes ready once (mu held).
+func (r *proom) open() {
+	select {
+	case <-r.ready:
+	default:
+		close(r.ready)
+	}
 }
 
 func (r *proom) setRequest(prompt int) error {
@@ -344,13 +452,20 @@ func (r *proom) setRequest(prompt int) error {
 	return nil
 }
 
-func (r *proom) fail(reason string) {
+func (r *proom) fail(reason Reason, err error) {
 	r.mu.Lock()
-	if r.err == nil {
-		r.err = errors.New(reason)
-	}
+	r.setErr(reason, err)
 	r.mu.Unlock()
 	r.poke()
+}
+
+// setErr records the room's first failure and opens its gate, so a queued
+// request is let go (mu held).
+func (r *proom) setErr(reason Reason, err error) {
+	if r.err == nil {
+		r.err = roomErr(r.id, reasonOf(err, reason), err)
+	}
+	r.open()
 }
 
 // PrefillHook: called by the engine loop.
@@ -368,9 +483,17 @@ func (r *proom) Aborted() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.err != nil {
-		return fmt.Errorf("room %d failed: %w", r.id, r.err)
+		return r.err
 	}
 	return nil
+}
+
+// Cached records the prompt tokens the engine took from its prefix cache
+// (engine.PrefillCacheHook), for decode's report.
+func (r *proom) Cached(tokens int) {
+	r.mu.Lock()
+	r.cached = tokens
+	r.mu.Unlock()
 }
 
 func (r *proom) Chunk(tokensDone int) {
@@ -386,8 +509,8 @@ func (r *proom) Done(first int, logprob float32, top []sampling.TopLogprob, err 
 	}
 	r.mu.Lock()
 	r.done, r.first, r.logprob, r.top, r.release, r.doneAt = true, first, logprob, top, release, time.Now()
-	if err != nil && r.err == nil {
-		r.err = fmt.Errorf("prefill failed: %w", err)
+	if err != nil {
+		r.setErr(ReasonPrefill, fmt.Errorf("prefill failed: %w", err))
 	}
 	r.mu.Unlock()
 	r.poke()
@@ -406,59 +529,65 @@ func (r *proom) run() {
 	defer p.wg.Done()
 	timer := time.NewTimer(p.cfg.Timeout)
 	defer timer.Stop()
-	timedOut := false
 	closing := p.ctx.Done()
 	for {
 		select {
 		case <-r.kick:
 		case <-timer.C:
-			timedOut = true
 		case <-closing:
-			r.fail("prefill server shutting down")
+			r.fail(ReasonShutdown, errors.New("prefill server shutting down"))
 			closing = nil // keep looping until the engine calls Done
 		}
+		now := time.Now()
 		r.mu.Lock()
-		dst, haveReq, done, err := r.dst, r.haveReq, r.done, r.err
-		if timedOut && err == nil {
+		dst, haveReq := r.dst, r.haveReq
+		// The bootstrap bounds: decode may queue for pages before it
+		// registers; the request must follow a registration promptly.
+		if r.err == nil {
 			switch {
+			case dst == nil && !haveReq:
 			case dst == nil:
-				r.err = fmt.Errorf("decode did not register room %d within %v", r.id, p.cfg.Timeout)
+				if d := r.created.Add(p.cfg.QueueWait + p.cfg.Timeout); now.Before(d) {
+					timer.Reset(d.Sub(now))
+				} else {
+					r.setErr(ReasonBootstrapTimeout, fmt.Errorf("decode did not register room %d within %v", r.id, p.cfg.QueueWait+p.cfg.Timeout))
+				}
 			case !haveReq:
-				r.err = fmt.Errorf("prefill did not receive the request of room %d within %v", r.id, p.cfg.Timeout)
+				if d := r.regAt.Add(p.cfg.Timeout); now.Before(d) {
+					timer.Reset(d.Sub(now))
+				} else {
+					r.setErr(ReasonBootstrapTimeout, fmt.Errorf("prefill did not receive the request of room %d within %v", r.id, p.cfg.Timeout))
+				}
+			default:
+				timer.Stop() // both halves are here: the engine and transfer bounds apply
 			}
-			err = r.err
 		}
 		if dst != nil && haveReq && r.state < WaitingForInput {
 			r.setState(WaitingForInput)
-			timer.Stop() // both halves are here: the engine and transfer bounds apply
 		}
-		if err == nil && dst != nil && haveReq && r.prompt != dst.Tokens {
-			r.err = fmt.Errorf("prompt is %d tokens here, %d on decode (tokenizers differ)", r.prompt, dst.Tokens)
-			err = r.err
+		if r.err == nil && dst != nil && haveReq && r.prompt != dst.Tokens {
+			r.setErr(ReasonMismatch, fmt.Errorf("prompt is %d tokens here, %d on decode (tokenizers differ)", r.prompt, dst.Tokens))
 		}
+		ok := r.err == nil
 		r.mu.Unlock()
 
-		if err == nil && dst != nil && haveReq {
-			if err = r.push(); err != nil {
-				r.mu.Lock()
-				if r.err == nil {
-					r.err = err
-				}
-				r.mu.Unlock()
+		if ok && dst != nil && haveReq {
+			if err := r.push(); err != nil {
+				r.fail(ReasonTransfer, err)
 			}
 		}
 		r.mu.Lock()
-		err, done = r.err, r.done
+		failed, done := r.err != nil, r.done
 		// Every page may already be out (a last chunk that ends on a page
 		// boundary) while the first token is not: success needs both.
-		finished := done && err == nil && r.sentPages() == r.promptPages() && r.auxSent
+		finished := done && !failed && r.sentPages() == r.promptPages() && r.auxSent
 		r.mu.Unlock()
 		switch {
 		case finished:
-			r.finish(nil)
+			r.finish()
 			return
-		case err != nil && (done || !haveReq):
-			r.finish(err)
+		case failed && (done || !haveReq):
+			r.finish()
 			return
 		}
 	}
@@ -605,19 +734,21 @@ func (r *proom) push() error {
 }
 
 // finish notifies decode (if it registered) and releases the pages.
-func (r *proom) finish(err error) {
+func (r *proom) finish() {
 	p := r.p
 	r.mu.Lock()
-	dst, release, bytes, xfer, doneAt := r.dst, r.release, r.bytes, r.xfer, r.doneAt
-	if err == nil {
+	dst, release, bytes, xfer, doneAt, cached := r.dst, r.release, r.bytes, r.xfer, r.doneAt, r.cached
+	var err error
+	if r.err == nil {
 		r.setState(Success)
 	} else {
 		r.setState(Failed)
+		err = r.err
 	}
 	r.mu.Unlock()
-	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, TransferSeconds: xfer.Seconds()}
+	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, TransferSeconds: xfer.Seconds(), CachedTokens: cached}
 	if err != nil {
-		res.Error = err.Error()
+		res.Error, res.Reason = err.Error(), reasonOf(err, ReasonTransfer)
 	}
 	if dst != nil {
 		b, _ := json.Marshal(res)
@@ -625,7 +756,7 @@ func (r *proom) finish(err error) {
 		if nerr := p.cfg.Transfer.Notify(ctx, dst.Decode.Segment, NotifyTopic, b); nerr != nil {
 			r.lg.Warn("notify decode failed", zap.String("segment", dst.Decode.Segment), zap.Error(nerr))
 			if err == nil {
-				err = fmt.Errorf("notify decode: %w", nerr)
+				err = roomErr(r.id, reasonOf(nerr, ReasonTransfer), fmt.Errorf("notify decode: %w", nerr))
 			}
 		}
 		cancel()
@@ -650,42 +781,19 @@ func (r *proom) finish(err error) {
 			zap.Duration("total", time.Since(r.created)))
 	} else {
 		p.m.requests.WithLabelValues("prefill", "failed").Inc()
-		p.m.failures.WithLabelValues("prefill", reasonOf(err)).Inc()
+		p.m.failures.WithLabelValues("prefill", string(reasonOf(err, ReasonTransfer))).Inc()
 		r.lg.Warn("room failed", zap.Error(err))
 	}
 }
 
-// reasonOf buckets an error into a bounded label value.
-func reasonOf(err error) string {
-	switch {
-	case errors.Is(err, transfer.ErrPeerDead):
-		return "peer_dead"
-	case errors.Is(err, transfer.ErrTimeout), errors.Is(err, context.DeadlineExceeded):
-		return "timeout"
-	case errors.Is(err, transfer.ErrOutOfBounds), errors.Is(err, transfer.ErrAccessDenied):
-		return "bounds"
-	case errors.Is(err, context.Canceled):
-		return "canceled"
-	}
-	s := err.Error()
-	for _, k := range []struct{ sub, label string }{
-		{"did not register", "bootstrap_timeout"}, {"did not receive", "bootstrap_timeout"},
-		{"canceled", "canceled"}, {"abort", "canceled"}, {"mismatch", "mismatch"}, {"transfer", "transfer"},
-		{"unreachable", "peer_dead"}, {"shutting down", "shutdown"},
-	} {
-		if strings.Contains(s, k.sub) {
-			return k.label
-		}
-	}
-	return "other"
-}
-
-func writeJSON(w http.ResponseWriter, code int, v any) {
+// writeJSON answers with v, signed for the request whose MAC is reqMAC
+// (nothing is signed with a zero secret).
+func writeJSON(w http.ResponseWriter, s auth.Secret, reqMAC string, code int, v any) {
+	b, _ := json.Marshal(v)
 	w.Header().Set("Content-Type", "application/json")
+	if !s.IsZero() {
+		w.Header().Set(bootHeader, responseMAC(s, reqMAC, code, b))
+	}
 	w.WriteHeader(code)
-	json.NewEncoder(w).Encode(v)
-}
-
-func writeErr(w http.ResponseWriter, code int, msg string) {
-	writeJSON(w, code, map[string]any{"error": map[string]any{"message": msg, "code": code}})
+	w.Write(b)
 }

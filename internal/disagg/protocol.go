@@ -19,21 +19,11 @@ package disagg
 
 import (
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"math"
 
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
-)
-
-// Errors a decode-side Prepare wraps, so a server can answer with a
-// fitting status.
-var (
-	ErrKVTimeout          = errors.New("disagg: KV wait timed out")           // 504
-	ErrPoolFull           = errors.New("disagg: decode KV pool stayed full")  // 503
-	ErrPrefillUnreachable = errors.New("disagg: prefill server unreachable")  // 502
-	ErrDecodeClosing      = errors.New("disagg: decode server shutting down") // 503
 )
 
 // State is a room's progress.
@@ -92,6 +82,9 @@ type RoomRequest struct {
 	Pages   []int32 `json:"pages"`    // destination pages, in prompt order
 	AuxAddr uint64  `json:"aux_addr"` // where the first token goes
 	Tokens  int     `json:"tokens"`   // prompt length decode tokenized
+	// Want is the prefill incarnation decode's info came from; another
+	// incarnation refuses the room ("" = any).
+	Want string `json:"want,omitempty"`
 }
 
 // Result is the prefill's final word on a room, sent as a notification.
@@ -99,7 +92,12 @@ type Result struct {
 	Room  uint64 `json:"room"`
 	OK    bool   `json:"ok"`
 	Error string `json:"error,omitempty"`
-	Bytes int64  `json:"bytes"`
+	// Reason is the failure's Reason, so decode reports the same one.
+	Reason Reason `json:"reason,omitempty"`
+	Bytes  int64  `json:"bytes"`
+	// CachedTokens is how many prompt tokens the prefill took from its
+	// prefix cache.
+	CachedTokens int `json:"cached_tokens,omitempty"`
 	// TransferSeconds is the time spent in KV transfers for this room.
 	TransferSeconds float64 `json:"transfer_seconds"`
 }

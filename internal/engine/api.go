@@ -5,7 +5,9 @@ package engine
 
 import (
 	"errors"
+
 	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
@@ -15,6 +17,9 @@ var (
 	ErrBadRequest    = errors.New("engine: bad request")     // HTTP 400
 	ErrOverloaded    = errors.New("engine: overloaded")      // HTTP 503: queue full
 	ErrPromptTooLong = errors.New("engine: prompt too long") // HTTP 400
+	// ErrQueueTimeout: a request waited MaxQueueWait in the admission queue
+	// without getting its pages (HTTP 503).
+	ErrQueueTimeout = errors.New("engine: admission queue wait timed out")
 )
 
 // SamplingParams follows SGLang's sampling_params. Zero values mean the
@@ -55,6 +60,8 @@ type Request struct {
 	Prefill PrefillHook
 	// Preloaded, when set, makes this a decode-side request whose prompt KV is
 	// already in the pool (disaggregation, decode side): no prompt compute.
+	// Submit takes its Table in every outcome: the engine releases it when
+	// the request ends, or at once if Submit fails.
 	Preloaded *Preloaded
 }
 
@@ -84,6 +91,23 @@ type PrefillLayerHook interface {
 	Layer(l, tokensDone int, ready compute.Fence)
 }
 
+// PrefillGate is an optional PrefillHook method: until the channel is
+// closed (for example until the decode side has said where the KV goes) the
+// request does not block the queue and is admitted only if the pool keeps a
+// quarter of its pages free after it, so requests whose gates are open never
+// wait behind pages held for ones that may wait long. A gated request that
+// the hook aborts (PrefillAborter) is finished as aborted.
+type PrefillGate interface {
+	Ready() <-chan struct{}
+}
+
+// PrefillCacheHook is an optional PrefillHook method: at admission, how
+// many prompt tokens came from the prefix cache (their KV is in the first
+// pages already; Chunk counts them as done).
+type PrefillCacheHook interface {
+	Cached(tokens int)
+}
+
 // PrefillAborter is an optional PrefillHook method: the engine checks it
 // every step and aborts the request (calling Done with the error) once it
 // returns non-nil, so the disaggregation layer can stop computing a prompt
@@ -92,13 +116,19 @@ type PrefillAborter interface {
 	Aborted() error
 }
 
-// Preloaded is a decode-side request whose prompt KV is already in Pages and
-// whose first token was sampled by the prefill server.
+// Preloaded is a decode-side request whose prompt KV is already in Table's
+// first pages and whose first token was sampled by the prefill server.
 type Preloaded struct {
-	Pages        []int32 // pages holding positions 0..len(InputIDs)-1; ownership passes to the engine
+	// Table holds positions 0..len(InputIDs)-1 in its first pages, and may
+	// hold every page the request needs (Engine.KVPages): the engine
+	// reserves only what is missing. It passes to the engine with Submit.
+	Table        *kvcache.Table
 	FirstToken   int
 	FirstLogprob float32
 	FirstTop     []sampling.TopLogprob // when the request asked for TopLogprobs
+	// CachedTokens is how many prompt tokens the prefill took from its
+	// prefix cache (reported in Finish).
+	CachedTokens int
 }
 
 // Event is one step of a request's output. Text is the new text since the
@@ -122,4 +152,7 @@ type Finish struct {
 	Err          error
 	PromptTokens int
 	OutputTokens int
+	// CachedTokens is how many prompt tokens were not computed for this
+	// request: taken from the prefix cache here, or by the prefill server.
+	CachedTokens int
 }

@@ -3,6 +3,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
@@ -17,6 +18,7 @@ const (
 	DefaultMaxRunningRequests = 64
 	DefaultChunkedPrefillSize = 512
 	DefaultMaxQueue           = 1024
+	DefaultMaxQueueWait       = 60 * time.Second
 	// DefaultMaxNewTokens is SGLang's default max_new_tokens.
 	DefaultMaxNewTokens = 128
 )
@@ -42,6 +44,15 @@ type Config struct {
 	// MaxQueue bounds the requests waiting for admission; beyond it Submit
 	// returns ErrOverloaded. 0: DefaultMaxQueue.
 	MaxQueue int
+	// Cache is the prefix cache over Pages (kvcache.NewRadix): a request
+	// reuses its longest cached prefix and computes from its end, and every
+	// finished request's KV is cached. nil: no prefix caching.
+	Cache *kvcache.Radix
+	// MaxQueueWait bounds how long a request waits in the admission queue
+	// for its pages (from its submission, or from when its PrefillGate
+	// opened); past it the request ends with ErrQueueTimeout.
+	// 0: DefaultMaxQueueWait.
+	MaxQueueWait time.Duration
 	// MaxSeqLen is the context length (prompt + output tokens). 0: the
 	// model's MaxSeqLen; it may only lower that.
 	MaxSeqLen int
@@ -74,6 +85,9 @@ func (c *Config) Validate() error {
 	if c.MaxQueue < 0 {
 		errs = append(errs, fmt.Errorf("engine: config: MaxQueue %d < 0", c.MaxQueue))
 	}
+	if c.MaxQueueWait < 0 {
+		errs = append(errs, fmt.Errorf("engine: config: MaxQueueWait %v < 0", c.MaxQueueWait))
+	}
 	if c.MaxSeqLen < 0 {
 		errs = append(errs, fmt.Errorf("engine: config: MaxSeqLen %d < 0", c.MaxSeqLen))
 	}
@@ -105,6 +119,9 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxQueue == 0 {
 		c.MaxQueue = DefaultMaxQueue
+	}
+	if c.MaxQueueWait == 0 {
+		c.MaxQueueWait = DefaultMaxQueueWait
 	}
 	if c.MaxSeqLen == 0 {
 		c.MaxSeqLen = c.Model.Config().MaxSeqLen // may stay 0: only the pool bounds it

@@ -18,7 +18,7 @@ import (
 )
 
 // cpuEngine runs an engine on the real CPU backend.
-func cpuEngine(t testing.TB, m *model.Model, tok tokenizer.Tokenizer, pages, pageSize, chunk, threads int) (*Engine, *kvcache.Pool) {
+func cpuEngine(t testing.TB, m *model.Model, tok tokenizer.Tokenizer, pages, pageSize, chunk, threads int, mut ...func(*Config)) (*Engine, *kvcache.Pool) {
 	t.Helper()
 	l := cpu.LayoutFor(m.Config, pageSize, pages)
 	pool, err := kvcache.NewPool(l, make([]byte, l.TotalBytes()))
@@ -30,7 +30,11 @@ func cpuEngine(t testing.TB, m *model.Model, tok tokenizer.Tokenizer, pages, pag
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { be.Close() })
-	e, err := New(Config{Model: be, Pages: pool.Alloc, Tokenizer: tok, ChunkedPrefillSize: chunk})
+	cfg := Config{Model: be, Pages: pool.Alloc, Tokenizer: tok, ChunkedPrefillSize: chunk}
+	for _, f := range mut {
+		f(&cfg)
+	}
+	e, err := New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -146,10 +146,11 @@ func (e *Engine) Tokenizer() tokenizer.Tokenizer { return e.tok }
 
 // Stats is a snapshot of the engine's load.
 type Stats struct {
-	Queued     int // waiting for admission
-	Running    int // in the running batch
-	FreePages  int
-	TotalPages int
+	Queued      int // waiting for admission
+	Running     int // in the running batch
+	FreePages   int
+	TotalPages  int
+	CachedPages int // held by the prefix cache alone (free to evict)
 }
 
 // Stats returns the current load.
@@ -157,12 +158,16 @@ func (e *Engine) Stats() Stats {
 	e.mu.Lock()
 	q := len(e.queue)
 	e.mu.Unlock()
-	return Stats{
+	st := Stats{
 		Queued:     q,
 		Running:    int(e.nRunning.Load()),
 		FreePages:  e.pages.Free(),
 		TotalPages: e.pages.Total(),
 	}
+	if c := e.cfg.Cache; c != nil {
+		st.CachedPages = c.Idle()
+	}
+	return st
 }
 
 // Submit validates and queues r. It returns the channel of r's events: one
@@ -175,12 +180,27 @@ func (e *Engine) Stats() Stats {
 // read the channel until it is closed or cancel ctx.
 //
 // Submit copies r (the caller may reuse it) but fills in r.ID when empty.
-// For a preloaded request the pages pass to the engine only when Submit
-// succeeds; a prefill hook is called only for a request Submit accepted.
-func (e *Engine) Submit(ctx context.Context, r *Request) (<-chan Event, error) {
+// A preloaded request's Table and a prefill request's hook pass to the
+// engine in every outcome: if Submit fails, the table is released and the
+// hook's Done is called with the error (and a no-op release) before Submit
+// returns.
+func (e *Engine) Submit(ctx context.Context, r *Request) (_ <-chan Event, err error) {
 	if r == nil {
 		return nil, fmt.Errorf("%w: nil request", ErrBadRequest)
 	}
+	// The table and the hook are ours whatever happens next: on failure the
+	// table is released and the hook told, so no page or room is left.
+	defer func() {
+		if err == nil {
+			return
+		}
+		if pl := r.Preloaded; pl != nil {
+			pl.Table.Release()
+		}
+		if r.Prefill != nil {
+			r.Prefill.Done(-1, 0, nil, err, func() {})
+		}
+	}()
 	if r.ID == "" {
 		r.ID = newID()
 	}
@@ -219,6 +239,16 @@ func (e *Engine) Submit(ctx context.Context, r *Request) (<-chan Event, error) {
 		return nil, err
 	}
 	go forward(ctx, s.out, ch)
+	if s.gate != nil {
+		// Wake the loop when the gate opens (or the request ends first).
+		go func() {
+			select {
+			case <-s.gate:
+				e.signal()
+			case <-s.ended:
+			}
+		}()
+	}
 	e.signal()
 	return ch, nil
 }
@@ -321,9 +351,6 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: request %s: %s", ErrBadRequest, r.ID, fmt.Sprintf(format, a...))
 	}
-	tooLong := func(format string, a ...any) error {
-		return fmt.Errorf("%w: request %s: %s", ErrPromptTooLong, r.ID, fmt.Sprintf(format, a...))
-	}
 	p := r.Params
 	n := len(r.InputIDs)
 	switch {
@@ -346,32 +373,9 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 		}
 		prompt[i] = int32(id)
 	}
-	maxNew := p.MaxNewTokens
-	if e.maxSeqLen > 0 {
-		if n >= e.maxSeqLen {
-			return nil, tooLong("the prompt has %d tokens, the context length is %d", n, e.maxSeqLen)
-		}
-		if maxNew == 0 {
-			maxNew = min(DefaultMaxNewTokens, e.maxSeqLen-n)
-		} else if n+maxNew > e.maxSeqLen {
-			return nil, tooLong("prompt (%d tokens) + max_new_tokens (%d) = %d exceeds the context length %d",
-				n, maxNew, n+maxNew, e.maxSeqLen)
-		}
-	} else if maxNew == 0 {
-		maxNew = DefaultMaxNewTokens
-	}
-	if r.Prefill != nil {
-		maxNew = 1
-	}
-	kvTokens := n + maxNew - 1 // the last sampled token is never fed back
-	if r.Prefill != nil {
-		kvTokens = n
-	}
-	need := e.pagesFor(kvTokens)
-	total := e.pages.Total()
-	if need > total {
-		return nil, tooLong("prompt (%d tokens) + max_new_tokens (%d) needs %d KV pages of %d tokens, the pool has %d",
-			n, maxNew, need, e.pageSize, total)
+	maxNew, need, err := e.kvPages(r)
+	if err != nil {
+		return nil, err
 	}
 	s := &seq{
 		req:       *r,
@@ -381,18 +385,30 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 		needPages: need,
 		submitted: time.Now(),
 		out:       newOutbox(),
+		ended:     make(chan struct{}),
+	}
+	s.readyAt = s.submitted
+	if g, ok := r.Prefill.(PrefillGate); ok {
+		s.gate = g.Ready()
 	}
 	s.req.InputIDs = slices.Clone(r.InputIDs)
+	s.table = e.pages.NewTable()
 	if pl := r.Preloaded; pl != nil {
-		if len(pl.Pages) < e.pagesFor(n) {
-			return nil, bad("preloaded KV has %d pages, the prompt of %d tokens needs %d", len(pl.Pages), n, e.pagesFor(n))
+		if pl.Table == nil || pl.Table.Len() < e.pagesFor(n) {
+			have := 0
+			if pl.Table != nil {
+				have = pl.Table.Len()
+			}
+			return nil, bad("preloaded KV has %d pages, the prompt of %d tokens needs %d", have, n, e.pagesFor(n))
 		}
 		if pl.FirstToken < 0 || pl.FirstToken >= e.vocab {
 			return nil, bad("preloaded first token %d is outside the vocabulary [0, %d)", pl.FirstToken, e.vocab)
 		}
-		s.pages = slices.Clone(pl.Pages)
-		s.needPages = max(0, need-len(pl.Pages))
-		s.req.Preloaded = &Preloaded{Pages: s.pages, FirstToken: pl.FirstToken, FirstLogprob: pl.FirstLogprob, FirstTop: pl.FirstTop}
+		s.table = pl.Table
+		s.cached = pl.CachedTokens
+		s.needPages = max(0, need-pl.Table.Len())
+		s.req.Preloaded = &Preloaded{Table: pl.Table, FirstToken: pl.FirstToken, FirstLogprob: pl.FirstLogprob, FirstTop: pl.FirstTop,
+			CachedTokens: pl.CachedTokens}
 	}
 	if len(p.StopTokenIDs) > 0 {
 		s.stopIDs = make(map[int]bool, len(p.StopTokenIDs))
@@ -408,6 +424,51 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 	}
 	s.text = newTextOut(e.tok, prompt, stops)
 	return s, nil
+}
+
+// KVPages is the number of KV pages r needs in all: its prompt and, but for
+// a prefill-only request, max_new_tokens - 1 more positions. A decode-side
+// disaggregation layer reserves them before the KV arrives, so the request
+// never waits for pages once preloaded. The error is Submit's for a request
+// too long for the context or the pool.
+func (e *Engine) KVPages(r *Request) (int, error) {
+	_, need, err := e.kvPages(r)
+	return need, err
+}
+
+func (e *Engine) kvPages(r *Request) (maxNew, need int, err error) {
+	tooLong := func(format string, a ...any) error {
+		return fmt.Errorf("%w: request %s: %s", ErrPromptTooLong, r.ID, fmt.Sprintf(format, a...))
+	}
+	p := r.Params
+	n := len(r.InputIDs)
+	maxNew = p.MaxNewTokens
+	if e.maxSeqLen > 0 {
+		if n >= e.maxSeqLen {
+			return 0, 0, tooLong("the prompt has %d tokens, the context length is %d", n, e.maxSeqLen)
+		}
+		if maxNew == 0 {
+			maxNew = min(DefaultMaxNewTokens, e.maxSeqLen-n)
+		} else if n+maxNew > e.maxSeqLen {
+			return 0, 0, tooLong("prompt (%d tokens) + max_new_tokens (%d) = %d exceeds the context length %d",
+				n, maxNew, n+maxNew, e.maxSeqLen)
+		}
+	} else if maxNew == 0 {
+		maxNew = DefaultMaxNewTokens
+	}
+	if r.Prefill != nil {
+		maxNew = 1
+	}
+	kvTokens := n + maxNew - 1 // the last sampled token is never fed back
+	if r.Prefill != nil {
+		kvTokens = n
+	}
+	need = e.pagesFor(kvTokens)
+	if total := e.pages.Total(); need > total {
+		return 0, 0, tooLong("prompt (%d tokens) + max_new_tokens (%d) needs %d KV pages of %d tokens, the pool has %d",
+			n, maxNew, need, e.pageSize, total)
+	}
+	return maxNew, need, nil
 }
 
 func (e *Engine) pagesFor(tokens int) int { return (tokens + e.pageSize - 1) / e.pageSize }
@@ -435,4 +496,13 @@ func newID() string {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // crypto/rand.Read never fails
 	return hex.EncodeToString(b[:])
+}
+
+// FlushCache gives back every page the prefix cache holds that no request
+// uses (server.CacheFlusher).
+func (e *Engine) FlushCache() (int, error) {
+	if e.cfg.Cache == nil {
+		return 0, errors.New("engine: no prefix cache (--disable-radix-cache)")
+	}
+	return e.cfg.Cache.Flush(), nil
 }

@@ -58,27 +58,37 @@ func TestSubmitValidation(t *testing.T) {
 	te := newTestEngine(t, 16, 4, func(c *Config) { c.MaxSeqLen = 100 }) // 64 tokens of pool
 	long := make([]int, 100)
 	for _, tc := range []struct {
-		name  string
-		req   Request
-		is    error
-		wants []string
+		name     string
+		req      Request
+		prePages int // a preloaded request gets a table of this many pages
+		is       error
+		wants    []string
 	}{
-		{"empty prompt", Request{}, ErrBadRequest, []string{"empty prompt"}},
-		{"negative max_new_tokens", Request{InputIDs: ids("a"), Params: SamplingParams{MaxNewTokens: -1}}, ErrBadRequest, []string{"-1"}},
-		{"token outside vocabulary", Request{InputIDs: []int{1, 320}}, ErrBadRequest, []string{"320", "position 1", "320)"}},
-		{"negative token", Request{InputIDs: []int{-1}}, ErrBadRequest, []string{"-1"}},
-		{"bad temperature", Request{InputIDs: ids("a"), Params: SamplingParams{Temperature: -1}}, ErrBadRequest, []string{"temperature"}},
-		{"bad top_p", Request{InputIDs: ids("a"), Params: SamplingParams{TopP: 2}}, ErrBadRequest, []string{"top_p"}},
-		{"prompt at context length", Request{InputIDs: long}, ErrPromptTooLong, []string{"100 tokens", "context length is 100"}},
-		{"prompt + max_new beyond context", Request{InputIDs: long[:50], Params: SamplingParams{MaxNewTokens: 60}}, ErrPromptTooLong, []string{"50", "60", "110", "100"}},
-		{"beyond the pool", Request{InputIDs: long[:50], Params: SamplingParams{MaxNewTokens: 40}}, ErrPromptTooLong, []string{"23 KV pages", "pool has 16"}},
-		{"both hooks", Request{InputIDs: ids("a"), Prefill: &recHook{}, Preloaded: &Preloaded{}}, ErrBadRequest, []string{"both"}},
-		{"preloaded pages short", Request{InputIDs: long[:9], Params: SamplingParams{MaxNewTokens: 2}, Preloaded: &Preloaded{Pages: []int32{0, 1}}}, ErrBadRequest, []string{"2 pages", "9 tokens", "needs 3"}},
-		{"preloaded first token", Request{InputIDs: ids("a"), Params: SamplingParams{MaxNewTokens: 2}, Preloaded: &Preloaded{Pages: []int32{0}, FirstToken: 999}}, ErrBadRequest, []string{"999"}},
+		{"empty prompt", Request{}, 0, ErrBadRequest, []string{"empty prompt"}},
+		{"negative max_new_tokens", Request{InputIDs: ids("a"), Params: SamplingParams{MaxNewTokens: -1}}, 0, ErrBadRequest, []string{"-1"}},
+		{"token outside vocabulary", Request{InputIDs: []int{1, 320}}, 0, ErrBadRequest, []string{"320", "position 1", "320)"}},
+		{"negative token", Request{InputIDs: []int{-1}}, 0, ErrBadRequest, []string{"-1"}},
+		{"bad temperature", Request{InputIDs: ids("a"), Params: SamplingParams{Temperature: -1}}, 0, ErrBadRequest, []string{"temperature"}},
+		{"bad top_p", Request{InputIDs: ids("a"), Params: SamplingParams{TopP: 2}}, 0, ErrBadRequest, []string{"top_p"}},
+		{"prompt at context length", Request{InputIDs: long}, 0, ErrPromptTooLong, []string{"100 tokens", "context length is 100"}},
+		{"prompt + max_new beyond context", Request{InputIDs: long[:50], Params: SamplingParams{MaxNewTokens: 60}}, 0, ErrPromptTooLong, []string{"50", "60", "110", "100"}},
+		{"beyond the pool", Request{InputIDs: long[:50], Params: SamplingParams{MaxNewTokens: 40}}, 0, ErrPromptTooLong, []string{"23 KV pages", "pool has 16"}},
+		{"both hooks", Request{InputIDs: ids("a"), Prefill: newRecHook(), Preloaded: &Preloaded{}}, 1, ErrBadRequest, []string{"both"}},
+		{"preloaded pages short", Request{InputIDs: long[:9], Params: SamplingParams{MaxNewTokens: 2}, Preloaded: &Preloaded{}}, 2, ErrBadRequest, []string{"2 pages", "9 tokens", "needs 3"}},
+		{"preloaded first token", Request{InputIDs: ids("a"), Params: SamplingParams{MaxNewTokens: 2}, Preloaded: &Preloaded{FirstToken: 999}}, 1, ErrBadRequest, []string{"999"}},
+		{"preloaded too long", Request{InputIDs: long, Preloaded: &Preloaded{}}, 3, ErrPromptTooLong, []string{"context length"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := tc.req
 			r.ID = "r1"
+			if r.Preloaded != nil {
+				pl := *r.Preloaded
+				tb, err := te.pages.Take(tc.prePages)
+				if err != nil {
+					t.Fatal(err)
+				}
+				pl.Table, r.Preloaded = tb, &pl
+			}
 			_, err := te.Submit(context.Background(), &r)
 			if !errors.Is(err, tc.is) {
 				t.Fatalf("error %v, want %v", err, tc.is)
@@ -90,6 +100,7 @@ func TestSubmitValidation(t *testing.T) {
 			}
 		})
 	}
+	// Refused preloaded requests' tables were released by Submit.
 	if s := te.Stats(); s.Queued != 0 || s.FreePages != 16 {
 		t.Fatalf("rejected requests changed the state: %+v", s)
 	}
@@ -739,14 +750,14 @@ func TestTopLogprobs(t *testing.T) {
 		t.Fatalf("top logprobs not asked for: %v", r.tops[0])
 	}
 	// A preloaded first token keeps the prefill's list.
-	pages, err := te.pages.Alloc(te.pagesFor(len(prompt)))
+	tb, err := te.pages.Take(te.pagesFor(len(prompt)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	te.fake.preload(pages, i32(prompt))
+	te.fake.preload(tb.IDs(), i32(prompt))
 	first := []sampling.TopLogprob{{Token: 'x', Logprob: -0.1}, {Token: 'y', Logprob: -2.5}}
 	r = te.generate(t, &Request{InputIDs: prompt, TopLogprobs: 2, Params: SamplingParams{MaxNewTokens: 2, IgnoreEOS: true},
-		Preloaded: &Preloaded{Pages: pages, FirstToken: 'x', FirstTop: first}})
+		Preloaded: &Preloaded{Table: tb, FirstToken: 'x', FirstTop: first}})
 	if !slices.Equal(r.tops[0], first) || len(r.tops[1]) != 2 {
 		t.Fatalf("preloaded tops %v", r.tops)
 	}

@@ -16,6 +16,8 @@ type metrics struct {
 	itl           prometheus.Histogram
 	queueSeconds  prometheus.Histogram
 	requests      *prometheus.CounterVec // finish: stop, length, abort
+	cacheQuery    prometheus.Counter
+	cacheHit      prometheus.Counter
 	collectors    []prometheus.Collector
 }
 
@@ -49,11 +51,37 @@ func newMetrics(e *Engine) *metrics {
 			Help: "Finished requests by finish reason (stop, length, abort).",
 		}, []string{"finish"}),
 	}
+	m.cacheQuery = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "mooncake_radix_cache_query_tokens_total",
+		Help: "Prompt tokens of requests looked up in the prefix cache.",
+	})
+	m.cacheHit = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "mooncake_radix_cache_hit_tokens_total",
+		Help: "Prompt tokens taken from the prefix cache instead of computed.",
+	})
 	for _, f := range []string{"stop", "length", "abort"} {
 		m.requests.WithLabelValues(f)
 	}
 	m.collectors = []prometheus.Collector{
-		m.prefillTokens, m.decodeTokens, m.ttft, m.itl, m.queueSeconds, m.requests,
+		m.prefillTokens, m.decodeTokens, m.ttft, m.itl, m.queueSeconds, m.requests, m.cacheQuery, m.cacheHit,
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "mooncake_radix_cache_evicted_pages_total",
+			Help: "KV pages the prefix cache gave back to the pool.",
+		}, func() float64 {
+			if c := e.cfg.Cache; c != nil {
+				return float64(c.Evicted())
+			}
+			return 0
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "mooncake_radix_cache_pages",
+			Help: "KV pages the prefix cache holds.",
+		}, func() float64 {
+			if c := e.cfg.Cache; c != nil {
+				return float64(c.Pages())
+			}
+			return 0
+		}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "mooncake_kvcache_pages_total",
 			Help: "Pages in the KV pool.",

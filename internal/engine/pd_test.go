@@ -188,15 +188,20 @@ func TestDisaggregatedMatchesColocated(t *testing.T) {
 			}
 			// "Transfer": decode reserves pages for the prompt, the KV moves, the
 			// prefill side releases its pages.
-			dpages, err := dec.pages.Alloc(dec.pagesFor(len(prompt)))
+			dreq := &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3, Room: 77}
+			need, err := dec.KVPages(dreq)
 			if err != nil {
 				t.Fatal(err)
 			}
-			dec.fake.preload(dpages, i32(prompt))
+			dtable, err := dec.pages.Take(need) // every page it needs, as disagg reserves
+			if err != nil {
+				t.Fatal(err)
+			}
+			dec.fake.preload(dtable.IDs(), i32(prompt))
 			h.release()
 
-			got := dec.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3, Room: 77,
-				Preloaded: &Preloaded{Pages: dpages, FirstToken: h.first, FirstLogprob: h.logprob, FirstTop: h.top}})
+			dreq.Preloaded = &Preloaded{Table: dtable, FirstToken: h.first, FirstLogprob: h.logprob, FirstTop: h.top}
+			got := dec.generate(t, dreq)
 			if !slices.Equal(got.tokens, want.tokens) || got.text != want.text || !slices.Equal(got.logprobs, want.logprobs) {
 				t.Fatalf("disaggregated %v %q %v\ncolocated %v %q %v", got.tokens, got.text, got.logprobs, want.tokens, want.text, want.logprobs)
 			}
@@ -233,14 +238,14 @@ func TestPreloadedPagesReleased(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			te := newTestEngine(t, 16, 4, nil) // not running
-			p, err := te.pages.Alloc(3)
+			p, err := te.pages.Take(3)
 			if err != nil {
 				t.Fatal(err)
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			ch, err := te.Submit(ctx, &Request{InputIDs: ids("preloaded"), Params: SamplingParams{MaxNewTokens: 4},
-				Preloaded: &Preloaded{Pages: p, FirstToken: 'a'}})
+				Preloaded: &Preloaded{Table: p, FirstToken: 'a'}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -255,10 +260,10 @@ func TestPreloadedPagesReleased(t *testing.T) {
 	}
 	t.Run("first token ends it", func(t *testing.T) {
 		te := startEngine(t, 16, 4, nil)
-		p, _ := te.pages.Alloc(3)
-		te.fake.preload(p, i32(ids("preloaded")))
+		p, _ := te.pages.Take(3)
+		te.fake.preload(p.IDs(), i32(ids("preloaded")))
 		r := te.generate(t, &Request{InputIDs: ids("preloaded"), Params: SamplingParams{MaxNewTokens: 4},
-			Preloaded: &Preloaded{Pages: p, FirstToken: fakeEOS}})
+			Preloaded: &Preloaded{Table: p, FirstToken: fakeEOS}})
 		if r.finish.Type != "stop" || r.finish.Matched != fakeEOS || !slices.Equal(r.tokens, []int{fakeEOS}) {
 			t.Fatalf("tokens %v finish %+v", r.tokens, r.finish)
 		}

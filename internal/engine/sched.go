@@ -5,19 +5,14 @@ import (
 	"fmt"
 	"math"
 	"slices"
-	"sync"
 	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
-
-// pagePoll is how often a loop with nothing running retries a queue head
-// that is waiting for pages (pages can be freed outside the engine, e.g. by
-// the disaggregation layer).
-const pagePoll = 5 * time.Millisecond
 
 // loop runs steps until ctx ends or Close.
 //
@@ -25,14 +20,13 @@ const pagePoll = 5 * time.Millisecond
 // while there is a running slot and the head's pages can be allocated; run
 // one forward pass over every decoding request (one token each) plus prompt
 // chunks of prefilling requests, oldest first, up to ChunkedPrefillSize
-// tokens; sample and emit.
+// tokens; sample and emit. With nothing to run, the loop sleeps until a
+// request arrives or ends, pages are freed (the allocator says so: they can
+// be freed outside the engine, by the disaggregation layer), a gate opens or
+// a queued request's wait bound passes.
 func (e *Engine) loop(ctx context.Context) error {
-	var timer *time.Timer
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -42,16 +36,13 @@ func (e *Engine) loop(ctx context.Context) error {
 		default:
 		}
 		e.reap()
-		blocked := e.admit()
+		freed := e.pages.Changed() // before admit: no release is missed
+		next := e.admit()
 		if len(e.running) == 0 {
-			var poll <-chan time.Time
-			if blocked {
-				if timer == nil {
-					timer = time.NewTimer(pagePoll)
-				} else {
-					timer.Reset(pagePoll)
-				}
-				poll = timer.C
+			var wait <-chan time.Time
+			if !next.IsZero() {
+				timer.Reset(max(time.Until(next), 0))
+				wait = timer.C
 			}
 			select {
 			case <-ctx.Done():
@@ -59,8 +50,10 @@ func (e *Engine) loop(ctx context.Context) error {
 			case <-e.done:
 				return nil
 			case <-e.wake:
-			case <-poll:
+			case <-freed:
+			case <-wait:
 			}
+			timer.Stop() // Go 1.23 timers: no stale tick after Stop or Reset
 			continue
 		}
 		if err := e.step(ctx); err != nil && ctx.Err() != nil {
@@ -86,37 +79,116 @@ func (e *Engine) compact() {
 }
 
 // admit moves queued requests into the running batch, FIFO, while there is
-// a slot and the head's pages can be allocated. It reports whether the head
-// is waiting for pages.
-func (e *Engine) admit() (blocked bool) {
-	var admitted []*seq
+// a slot and the head's pages can be allocated. A request waiting for its
+// PrefillGate is passed over (it is not waiting for pages) unless the pool
+// has room to spare; one that waited
+// MaxQueueWait for pages, or whose hook aborted it, is finished. It returns
+// when the oldest waiting request's bound passes (zero if none waits).
+func (e *Engine) admit() (next time.Time) {
+	var admitted, expired []*seq
+	var aborted []abortedSeq
+	now := time.Now()
 	e.mu.Lock()
-	for len(e.queue) > 0 && len(e.running) < e.cfg.MaxRunningRequests {
-		s := e.queue[0]
-		if s.needPages > 0 {
-			p, err := e.pages.Alloc(s.needPages)
-			if err != nil {
-				blocked = true
-				break
-			}
-			s.pages = append(s.pages, p...)
+	blocked := false
+	kept := e.queue[:0]
+	for _, s := range e.queue {
+		if err := s.aborted(); err != nil {
+			aborted = append(aborted, abortedSeq{s, err})
+			continue
 		}
-		e.queue[0] = nil
-		e.queue = e.queue[1:]
-		e.running = append(e.running, s)
-		admitted = append(admitted, s)
+		if s.gated(now) {
+			// Waiting for its peer, not for pages: admitted early only
+			// while the pool can afford it (a quarter of it stays for
+			// requests whose peers are ready, so rooms admitted early can
+			// never starve them).
+			if !blocked && len(e.running) < e.cfg.MaxRunningRequests &&
+				e.pages.Free()-s.needPages >= e.pages.Total()/4 && e.reserve(s) {
+				e.running = append(e.running, s)
+				admitted = append(admitted, s)
+				continue
+			}
+			kept = append(kept, s)
+			continue
+		}
+		deadline := s.readyAt.Add(e.cfg.MaxQueueWait)
+		if !now.Before(deadline) {
+			expired = append(expired, s)
+			continue
+		}
+		if !blocked && len(e.running) < e.cfg.MaxRunningRequests && e.reserve(s) {
+			e.running = append(e.running, s)
+			admitted = append(admitted, s)
+			continue
+		}
+		blocked = true // FIFO: nothing overtakes a request waiting for pages
+		if next.IsZero() || deadline.Before(next) {
+			next = deadline
+		}
+		kept = append(kept, s)
 	}
+	clear(e.queue[len(kept):])
+	e.queue = kept
 	if len(e.queue) == 0 {
 		e.queue = nil // let the backing array go
 	}
 	e.mu.Unlock()
+	for _, a := range aborted {
+		e.finishAbort(a.s, a.err)
+	}
+	for _, s := range expired {
+		e.finishAbort(s, fmt.Errorf("%w: waited %v for %d KV pages (%d free of %d; --max-queue-wait)",
+			ErrQueueTimeout, e.cfg.MaxQueueWait, s.needPages, e.pages.Free(), e.pages.Total()))
+	}
 	for _, s := range admitted {
 		e.start(s)
 	}
 	if len(admitted) > 0 {
 		e.compact()
 	}
-	return blocked
+	return next
+}
+
+// reserve gives s its pages: first the longest cached prefix of its prompt
+// (all but its last token, whose logits must be computed), then fresh ones
+// (the allocator evicts from the cache when short). It reports false, with
+// nothing taken, if the pages are not there.
+func (e *Engine) reserve(s *seq) bool {
+	if s.needPages == 0 {
+		return true
+	}
+	var m *kvcache.Match
+	if c := e.cfg.Cache; c != nil && s.req.Preloaded == nil && s.prefilled == 0 {
+		m = c.Lookup(s.prompt[:len(s.prompt)-1])
+		defer m.Done()
+		if len(m.Pages) > 0 && s.table.Share(m.Pages) != nil {
+			m.Pages = nil
+		}
+	}
+	shared := 0
+	if m != nil {
+		shared = len(m.Pages)
+	}
+	if err := s.table.Grow(s.needPages - shared); err != nil {
+		if shared > 0 {
+			s.table.Release()
+			s.table = e.pages.NewTable()
+		}
+		return false
+	}
+	if shared > 0 {
+		s.cached, s.prefilled = m.Tokens(), m.Tokens()
+	}
+	if m != nil {
+		e.m.cacheQuery.Add(float64(len(s.prompt)))
+		e.m.cacheHit.Add(float64(s.cached))
+	}
+	s.needPages = 0
+	return true
+}
+
+type abortedSeq struct {
+	s   *seq
+	err error
 }
 
 // start begins an admitted request.
@@ -132,11 +204,14 @@ func (e *Engine) start(s *seq) {
 	}
 	e.lg.Info("request admitted", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),
 		zap.String("mode", mode), zap.Int("prompt_tokens", len(s.prompt)), zap.Int("max_new_tokens", s.maxNew),
-		zap.Int("pages", len(s.pages)), zap.Duration("queued", now.Sub(s.submitted)))
+		zap.Int("pages", s.table.Len()), zap.Duration("queued", now.Sub(s.submitted)))
 	switch {
 	case s.hook != nil:
 		s.state = statePrefill
-		s.hook.Pages(slices.Clone(s.pages))
+		s.hook.Pages(slices.Clone(s.table.IDs()))
+		if c, ok := s.hook.(PrefillCacheHook); ok && s.cached > 0 {
+			c.Cached(s.cached)
+		}
 	case s.req.Preloaded != nil:
 		// The prefill server sampled the first token with the same seed:
 		// skip its draw so seeded sampling continues the same stream.
@@ -162,7 +237,7 @@ func (e *Engine) step(ctx context.Context) error {
 	for _, s := range e.running {
 		if s.state == stateDecode {
 			e.batch = append(e.batch, compute.Seq{
-				Tokens: s.next[:], Pos: s.pos, Pages: s.pages[:e.pagesFor(s.pos+1)], Logits: true,
+				Tokens: s.next[:], Pos: s.pos, Pages: s.table.IDs()[:e.pagesFor(s.pos+1)], Logits: true,
 			})
 			e.bseqs = append(e.bseqs, s)
 			e.bchunk = append(e.bchunk, 0)
@@ -184,7 +259,7 @@ func (e *Engine) step(ctx context.Context) error {
 		end := s.prefilled + n
 		last := end == len(s.prompt)
 		e.batch = append(e.batch, compute.Seq{
-			Tokens: s.prompt[s.prefilled:end], Pos: s.prefilled, Pages: s.pages[:e.pagesFor(end)], Logits: last,
+			Tokens: s.prompt[s.prefilled:end], Pos: s.prefilled, Pages: s.table.IDs()[:e.pagesFor(end)], Logits: last,
 		})
 		if lh, ok := s.hook.(PrefillLayerHook); ok {
 			e.batch[len(e.batch)-1].Layer = func(l int, ready compute.Fence) { lh.Layer(l, end, ready) }
@@ -307,6 +382,9 @@ func (e *Engine) emit(s *seq, tok int, lp float32, top []sampling.TopLogprob) {
 	s.lastToken = now
 	s.output++
 	s.sampler.Accept(tok)
+	if e.cfg.Cache != nil {
+		s.outIDs = append(s.outIDs, int32(tok))
+	}
 
 	ev := Event{Token: tok, Logprob: lp, Top: top}
 	var f *Finish
@@ -351,7 +429,8 @@ func (e *Engine) finishAbort(s *seq, err error) {
 }
 
 // finish ends s exactly once: unregisters its context, hands its pages back
-// (or to the prefill hook), counts and logs it, and posts ev with f.
+// (or to the prefill hook, which releases them when its transfer is done;
+// the allocator then wakes the loop), counts and logs it, and posts ev with f.
 func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 	if s.state == stateDone {
 		return
@@ -360,24 +439,24 @@ func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 	if s.stopCtx != nil {
 		s.stopCtx()
 	}
+	close(s.ended)
+	if c := e.cfg.Cache; c != nil {
+		c.Insert(s.kvTokens(), s.table.IDs())
+	}
 	if s.hook != nil && !s.hookDone {
 		s.hookDone = true
-		release := e.releaser(s.pages)
-		s.pages = nil
+		release := func() { s.table.Release() }
 		if f.Type == "abort" {
 			s.hook.Done(-1, 0, nil, f.Err, release)
 		} else {
 			s.hook.Done(ev.Token, ev.Logprob, ev.Top, nil, release)
 		}
-	} else if len(s.pages) > 0 {
-		if err := e.pages.Release(s.pages); err != nil {
-			e.lg.Error("releasing pages", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room), zap.Error(err))
-		}
-		s.pages = nil
-		e.signal()
+	} else if err := s.table.Release(); err != nil {
+		e.lg.Error("releasing pages", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room), zap.Error(err))
 	}
 	f.PromptTokens = len(s.prompt)
 	f.OutputTokens = s.output
+	f.CachedTokens = s.cached
 	e.m.requests.WithLabelValues(f.Type).Inc()
 	if f.Type == "abort" {
 		e.lg.Info("request aborted", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),
@@ -390,21 +469,4 @@ func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 	}
 	ev.Finish = f
 	s.out.post(ev)
-}
-
-// releaser returns a function that releases pages once and wakes the loop
-// (a queued request may be waiting for them).
-func (e *Engine) releaser(pages []int32) func() {
-	var once sync.Once
-	return func() {
-		once.Do(func() {
-			if len(pages) == 0 {
-				return
-			}
-			if err := e.pages.Release(pages); err != nil {
-				e.lg.Error("releasing prefill pages", zap.Error(err))
-			}
-			e.signal()
-		})
-	}
 }

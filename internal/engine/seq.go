@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
@@ -28,11 +29,16 @@ type seq struct {
 	stopIDs map[int]bool
 	hook    PrefillHook
 
-	needPages int     // pages to allocate at admission
-	pages     []int32 // owned pages (preloaded ones first)
-	hookDone  bool    // Done was called on the prefill hook
+	needPages int             // pages to add to table at admission
+	table     *kvcache.Table  // the request's pages (preloaded ones first)
+	hookDone  bool            // Done was called on the prefill hook
+	gate      <-chan struct{} // PrefillGate's channel (nil: none)
+	readyAt   time.Time       // since when the request waits for pages
+	ended     chan struct{}   // closed by finish
 
 	state     seqState
+	cached    int      // prompt tokens taken from the prefix cache (or the prefill's)
+	outIDs    []int32  // output tokens, for the prefix cache
 	prefilled int      // prompt tokens whose KV is in the pool
 	pos       int      // position of next (decode)
 	next      [1]int32 // token to feed at pos
@@ -47,6 +53,32 @@ type seq struct {
 	ctxCause func() error          // the request context's cause, nil while it lives
 	stopCtx  func() bool           // unregisters the context.AfterFunc
 	out      *outbox
+}
+
+// kvTokens are the tokens whose KV is in s's pages: the prompt's computed
+// part, then the output tokens fed back so far.
+func (s *seq) kvTokens() []int32 {
+	switch s.state {
+	case statePrefill, stateQueued:
+		return s.prompt[:s.prefilled]
+	}
+	fed := s.pos - len(s.prompt)
+	return append(s.prompt[:len(s.prompt):len(s.prompt)], s.outIDs[:max(0, min(fed, len(s.outIDs)))]...)
+}
+
+// gated reports whether s waits for its PrefillGate, noting when it opens.
+func (s *seq) gated(now time.Time) bool {
+	if s.gate == nil {
+		return false
+	}
+	select {
+	case <-s.gate:
+		s.gate = nil
+		s.readyAt = now
+		return false
+	default:
+		return true
+	}
 }
 
 // aborted returns why s must be aborted, nil if it need not. It looks at

@@ -79,18 +79,28 @@ func writeError(w http.ResponseWriter, e *Error) {
 	_, _ = w.Write(append(b, '\n'))
 }
 
+// StatusError is an error that knows its HTTP status (disaggregation's
+// RoomError does).
+type StatusError interface {
+	error
+	HTTPStatus() int
+}
+
 // asError classifies an error from Submit, PrepareDisagg or a request's
 // abort into an HTTP error.
 func asError(err error) *Error {
 	var he *Error
+	var se StatusError
 	switch {
 	case err == nil:
 		return nil
 	case errors.As(err, &he):
 		return he
+	case errors.As(err, &se):
+		return &Error{Status: se.HTTPStatus(), Message: err.Error(), Err: err}
 	case errors.Is(err, engine.ErrBadRequest), errors.Is(err, engine.ErrPromptTooLong):
 		return &Error{Status: http.StatusBadRequest, Message: err.Error(), Err: err}
-	case errors.Is(err, engine.ErrOverloaded):
+	case errors.Is(err, engine.ErrOverloaded), errors.Is(err, engine.ErrQueueTimeout):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Err: err}
 	case errors.Is(err, engine.ErrClosed):
 		return &Error{Status: http.StatusServiceUnavailable, Message: err.Error(), Err: err}

@@ -130,6 +130,7 @@ func (rn *run) generateObject() generateResponse {
 		ID:               rn.req.ID,
 		PromptTokens:     rn.promptTokens(),
 		CompletionTokens: rn.completionTokens(),
+		CachedTokens:     rn.cachedTokens(),
 		E2ELatency:       rn.elapsed(),
 	}
 	if rn.finish != nil {

@@ -107,3 +107,20 @@ func (s *Server) handleServerInfo(w http.ResponseWriter, r *http.Request) {
 type zapPrintln struct{ lg *zap.Logger }
 
 func (z zapPrintln) Println(v ...any) { z.lg.Error(fmt.Sprint(v...)) }
+
+// handleFlushCache is SGLang's POST /flush_cache: the prefix cache gives
+// back every page nobody uses. 400 when the server has no prefix cache.
+func (s *Server) handleFlushCache(w http.ResponseWriter, r *http.Request) {
+	f, ok := s.cfg.Generator.(CacheFlusher)
+	if !ok {
+		writeError(w, errorf(http.StatusBadRequest, "this server has no prefix cache (started with --disable-radix-cache)"))
+		return
+	}
+	n, err := f.FlushCache()
+	if err != nil {
+		writeError(w, &Error{Status: http.StatusBadRequest, Message: err.Error(), Err: err})
+		return
+	}
+	s.lg.Info("prefix cache flushed", zap.Int("pages", n))
+	writeJSON(w, http.StatusOK, map[string]any{"message": "Cache flushed.", "freed_pages": n})
+}

@@ -265,9 +265,15 @@ func PlainChatTemplate(msgs []ChatMessage) (string, error) {
 // Response objects.
 
 type usage struct {
-	PromptTokens     int `json:"prompt_tokens"`
-	CompletionTokens int `json:"completion_tokens"`
-	TotalTokens      int `json:"total_tokens"`
+	PromptTokens        int           `json:"prompt_tokens"`
+	CompletionTokens    int           `json:"completion_tokens"`
+	TotalTokens         int           `json:"total_tokens"`
+	PromptTokensDetails *promptDetail `json:"prompt_tokens_details,omitempty"`
+}
+
+// promptDetail is OpenAI's usage.prompt_tokens_details.
+type promptDetail struct {
+	CachedTokens int `json:"cached_tokens"`
 }
 
 type completionChoice struct {
@@ -341,7 +347,8 @@ type chatResponse struct {
 
 func (rn *run) usage() *usage {
 	p, c := rn.promptTokens(), rn.completionTokens()
-	return &usage{PromptTokens: p, CompletionTokens: c, TotalTokens: p + c}
+	return &usage{PromptTokens: p, CompletionTokens: c, TotalTokens: p + c,
+		PromptTokensDetails: &promptDetail{CachedTokens: rn.cachedTokens()}}
 }
 
 // openaiFinish is the finish_reason string and matched_stop of a finish.

@@ -61,7 +61,9 @@ func (rn *run) submit(ctx context.Context, req *engine.Request, boot *Bootstrap,
 	}
 	if boot != nil {
 		req.Room = boot.Room
-		if p := rn.s.cfg.PrepareDisagg; p != nil {
+		// Zero new tokens need no KV on either side: both answer at once,
+		// so no room is opened that the other side would never join.
+		if p := rn.s.cfg.PrepareDisagg; p != nil && !maxZero {
 			if err := p(ctx, req, *boot); err != nil {
 				return asError(fmt.Errorf("disaggregation: %w", err))
 			}
@@ -150,6 +152,15 @@ func (rn *run) promptTokens() int {
 	}
 	if rn.req != nil {
 		return len(rn.req.InputIDs)
+	}
+	return 0
+}
+
+// cachedTokens are the prompt tokens not computed for the request (the
+// prefix cache, here or on the prefill server).
+func (rn *run) cachedTokens() int {
+	if rn.finish != nil {
+		return rn.finish.CachedTokens
 	}
 	return 0
 }

@@ -32,6 +32,13 @@ type Generator interface {
 
 var _ Generator = (*engine.Engine)(nil)
 
+// CacheFlusher is an optional Generator method: POST /flush_cache drops
+// what the prefix cache holds and nobody uses, and answers how many pages
+// went back.
+type CacheFlusher interface {
+	FlushCache() (pages int, err error)
+}
+
 // Tokenizer is what the server needs from a tokenizer (a subset of
 // tokenizer.Tokenizer).
 type Tokenizer interface {
@@ -243,6 +250,7 @@ func (s *Server) routes() {
 	handle(http.MethodGet, "/get_model_info", s.handleModelInfo)
 	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
 	handle(http.MethodGet, "/metrics", s.handleMetrics)
+	handle(http.MethodPost, "/flush_cache", s.handleFlushCache)
 	if s.cfg.Profiling {
 		mux.HandleFunc("/debug/pprof/", pprof.Index)
 		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)

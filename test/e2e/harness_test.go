@@ -255,16 +255,23 @@ func (s *server) info(t *testing.T) map[string]any {
 	return m
 }
 
+// freePages is the server's free KV pages plus those only its prefix
+// cache holds (evictable: not leaked).
 func (s *server) freePages(t *testing.T) int {
 	t.Helper()
-	v, ok := s.info(t)["kv_pages_free"].(float64)
+	info := s.info(t)
+	v, ok := info["kv_pages_free"].(float64)
 	if !ok {
 		t.Fatalf("%s: /get_server_info has no kv_pages_free", s.name)
+	}
+	if c, ok := info["kv_pages_cached"].(float64); ok {
+		v += c
 	}
 	return int(v)
 }
 
-// waitFreePages waits until the server's free-page count is want.
+// waitFreePages waits until the server's free (or only cached) page count
+// is want.
 func (s *server) waitFreePages(t *testing.T, want int, within time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(within)
@@ -340,6 +347,7 @@ type result struct {
 	MetaInfo struct {
 		FinishReason        map[string]any `json:"finish_reason"`
 		PromptTokens        int            `json:"prompt_tokens"`
+		CachedTokens        int            `json:"cached_tokens"`
 		OutputTokenLogprobs [][3]any       `json:"output_token_logprobs"`
 		OutputTopLogprobs   [][][3]any     `json:"output_top_logprobs"`
 	} `json:"meta_info"`

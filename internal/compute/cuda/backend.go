@@ -4,12 +4,17 @@
 // exported to another process), GEMMs through cuBLAS and the other kernels
 // (csrc/llama/*.cu) compiled at start by NVRTC for the device found.
 //
-// All GPU work runs on the context's legacy default stream; Forward calls are
+// All GPU work of a backend runs on one stream of its own (non-blocking, so
+// it neither waits for nor blocks the legacy default stream, and can be
+// captured); cuBLAS runs on it with a fixed workspace. Forward calls are
 // serialised and lock their goroutine to an OS thread (cuBLAS uses the
-// thread's current context).
+// thread's current context; a capture must end on the thread that began
+// it). A pass is planned first (plan.go: a pure function of the batch),
+// then enqueued; pure-decode passes replay CUDA graphs (graphs.go).
 package cuda
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -50,8 +55,18 @@ type Options struct {
 	// NoFlashPrefill sends prefill chunks through the split-K kernel instead
 	// of the tensor-core flash-attention kernel (for tests).
 	NoFlashPrefill bool
-	KernelCache    cu.KernelsConfig
-	Logger         *zap.Logger // nil: no logs
+	// DisableCUDAGraph runs every pass eagerly (SGLang's
+	// --disable-cuda-graph); else pure-decode passes of at most
+	// CUDAGraphMaxBS seqs replay CUDA graphs.
+	DisableCUDAGraph bool
+	// CUDAGraphMaxBS is the largest batch bucket captured (SGLang's
+	// --cuda-graph-max-bs); 0: 256. The graph buffers are sized for it.
+	CUDAGraphMaxBS int
+	// TimeSteps records events around every pass for StepTimes (GPU time
+	// per pass and the idle gap between passes).
+	TimeSteps   bool
+	KernelCache cu.KernelsConfig
+	Logger      *zap.Logger // nil: no logs
 
 	tune tuning
 }
@@ -65,6 +80,9 @@ func (o *Options) Validate() error {
 	}
 	if o.PageSize < 0 || o.Pages < 0 || o.Device < 0 {
 		return fmt.Errorf("cuda backend: negative device, page size or pages")
+	}
+	if o.CUDAGraphMaxBS < 0 {
+		return fmt.Errorf("cuda backend: CUDA graph max batch size %d < 0", o.CUDAGraphMaxBS)
 	}
 	if o.MemFraction < 0 || o.MemFraction > 1 {
 		return fmt.Errorf("cuda backend: mem fraction %g outside [0, 1]", o.MemFraction)
@@ -91,6 +109,7 @@ type Backend struct {
 	lg     *zap.Logger
 	dev    cu.Device
 	cx     *cu.Context
+	stream *cu.Stream // every kernel, copy and GEMM of the backend
 	blas   *cublas.Handle
 	mod    *cu.Module
 	fn     kernels
@@ -115,6 +134,11 @@ type Backend struct {
 	// layerEv[l] is recorded after layer l's KV writes when a seq asked
 	// for layer calls (compute.Seq.Layer); re-recorded by later passes.
 	layerEv []*cu.Event
+
+	pc     planConfig
+	graphs *graphSet  // nil: CUDA graphs off
+	gmode  int        // graphsOn, or a test's graphsOff / graphsPadded
+	tm     *stepTimer // nil unless Options.TimeSteps
 }
 
 // New loads m onto GPU opts.Device. Errors from a missing driver wrap
@@ -170,11 +194,22 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if err = b.cx.SetCurrent(); err != nil {
 		return nil, err
 	}
+	if b.stream, err = b.cx.NewStream(cu.StreamNonBlocking); err != nil {
+		return nil, fmt.Errorf("cuda backend: stream: %w", err)
+	}
 	if b.blas, err = cublas.Create(); err != nil {
 		return nil, fmt.Errorf("cuda backend: %w", err)
 	}
-	if err = b.blas.SetStream(0); err != nil {
+	// SetStream resets the workspace to cuBLAS's own pool: set ours after.
+	if err = b.blas.SetStream(b.stream.Handle()); err != nil {
 		return nil, err
+	}
+	ws, err := b.alloc(cublasWorkspace)
+	if err != nil {
+		return nil, fmt.Errorf("cuda backend: cuBLAS workspace: %w", err)
+	}
+	if werr := b.blas.SetWorkspace(uint64(ws), cublasWorkspace); werr != nil {
+		b.lg.Warn("cuBLAS workspace not set: captured GEMMs may allocate their own", zap.Error(werr))
 	}
 	if !b.bf16 {
 		// Pedantic math: no TF32, no reduced-precision reductions.
@@ -188,8 +223,31 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if err = b.uploadWeights(m); err != nil {
 		return nil, err
 	}
+	b.pc = planConfig{pageSize: opts.PageSize, split: b.fn.split, heads: c.Heads, kvHeads: c.KVHeads, headDim: c.HeadDim,
+		dim: c.Dim, hidden: c.HiddenDim, vocab: c.Vocab, eb: b.eb, flash: b.flash && !opts.NoFlashPrefill,
+		maxSeqLen: c.MaxSeqLen, partBudget: partBudget}
+	if !opts.DisableCUDAGraph {
+		if b.graphs, err = b.newGraphs(cmp.Or(opts.CUDAGraphMaxBS, defaultGraphMaxBS)); err != nil {
+			return nil, err
+		}
+		b.lg.Info("CUDA graphs for decode", zap.Ints("batch_buckets", b.graphs.buckets),
+			zap.Int("split_buckets", len(splitBuckets(b.graphs.maxSplits))), zap.Int("keys_per_split", b.fn.split),
+			zap.Int("graphs_per_bucket", graphsPerBucket),
+			zap.Uint64("buffer_bytes", b.graphs.sizes.total()), zap.Uint64("logits_bytes", b.graphs.sizes.logits),
+			zap.Uint64("partials_bytes", b.graphs.sizes.part), zap.Uint64("cublas_workspace_bytes", cublasWorkspace))
+	} else {
+		b.lg.Info("CUDA graphs off: every pass runs eagerly")
+	}
+	if opts.TimeSteps {
+		if b.tm, err = newStepTimer(b.cx); err != nil {
+			return nil, err
+		}
+	}
 	if err = b.allocKV(); err != nil {
 		return nil, err
+	}
+	if err = b.stream.Synchronize(); err != nil {
+		return nil, fmt.Errorf("cuda backend: after loading: %w", err)
 	}
 	if err = b.cx.Synchronize(); err != nil {
 		return nil, fmt.Errorf("cuda backend: after loading: %w", err)
@@ -213,7 +271,13 @@ func (b *Backend) allocKV() error {
 		if err != nil {
 			return err
 		}
-		budget := int64(float64(total)*b.opts.MemFraction) - b.w.bytes - scratchReserve(c, b.eb)
+		// The graph buffers and the cuBLAS workspace are allocated already
+		// (in free, not yet in the share of total).
+		fixed := int64(cublasWorkspace)
+		if b.graphs != nil {
+			fixed += int64(b.graphs.sizes.total())
+		}
+		budget := int64(float64(total)*b.opts.MemFraction) - b.w.bytes - fixed - scratchReserve(c, b.eb)
 		budget = min(budget, int64(free)-scratchReserve(c, b.eb))
 		if budget < int64(perPage) {
 			return fmt.Errorf("cuda backend: no room for a KV pool: %.2f GiB total, fraction %g, weights %.2f GiB",
@@ -295,6 +359,12 @@ func (b *Backend) release() error {
 	var errs []error
 	b.cx.SetCurrent()
 	errs = append(errs, b.cx.Synchronize())
+	if b.graphs != nil {
+		errs = append(errs, b.graphs.destroy())
+		b.graphs = nil
+	}
+	errs = append(errs, b.tm.destroy())
+	b.tm = nil
 	for _, ev := range b.layerEv {
 		errs = append(errs, ev.Destroy())
 	}
@@ -315,6 +385,8 @@ func (b *Backend) release() error {
 	if b.blas != nil {
 		errs = append(errs, b.blas.Destroy())
 	}
+	errs = append(errs, b.stream.Destroy())
+	b.stream = nil
 	errs = append(errs, b.cx.Release())
 	b.cx = nil
 	return errors.Join(errs...)

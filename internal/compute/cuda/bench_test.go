@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -32,7 +33,7 @@ func (b *Backend) readBandwidth(n uint64, reps int) (float64, error) {
 	if err := b.fill(b.fn.fillF, p, n/4, 99, 1, 0); err != nil {
 		return 0, err
 	}
-	st := b.cx.DefaultStream()
+	st := b.stream
 	e0, _ := b.cx.NewEvent(cu.EventDefault)
 	e1, _ := b.cx.NewEvent(cu.EventDefault)
 	defer e0.Destroy()
@@ -205,3 +206,104 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+
+// TestBenchGraph8B times decode steps of the llama3-8b shape (random bf16
+// weights and KV made on the GPU) with and without CUDA graphs: batch 1,
+// 32 and 128 at 1K of context and batch 8 at 8K, against the floor (weights
+// + KV read once at the HBM read bandwidth measured in the same run), with
+// the GPU time per step and the GPU idle gap between consecutive steps
+// (events on the stream). Step times are host wall times of Forward, the
+// logits copied to the host or not. Runs only with MOONCAKE_BENCH=1;
+// BENCH_OUT=file receives the table.
+func TestBenchGraph8B(t *testing.T) {
+	if os.Getenv("MOONCAKE_BENCH") == "" {
+		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
+	}
+	cfg, err := model.RandomConfig("llama3-8b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const ps = 64
+	runs := []struct{ bs, ctx int }{{1, 1024}, {32, 1024}, {128, 1024}, {8, 8192}}
+	per1K, per8K := ceilDiv(1024+1, ps), ceilDiv(8192+1, ps)
+	pages := 128*per1K + 8*per8K
+	t0 := time.Now()
+	b := newOrSkip(t, &model.Model{Config: cfg, Random: true}, Options{PageSize: ps, Pages: pages, RandomWeights: true,
+		Seed: 1, TimeSteps: true, CUDAGraphMaxBS: 128})
+	if err := b.fill(b.fn.fillT, b.kvBase, uint64(b.layout.TotalBytes())/uint64(b.eb), 7, 1, 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v",
+		time.Since(t0), float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, float64(b.graphs.sizes.total())/(1<<20), b.graphs.buckets)
+	bw, err := b.readBandwidth(4<<30, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	V := cfg.Vocab
+	r := rand.New(rand.NewPCG(2, 2))
+	out := make([][]float32, 128)
+	for i := range out {
+		out[i] = make([]float32, V)
+	}
+	kvTok := float64(cfg.Layers * 2 * cfg.KVHeads * cfg.HeadDim * 2)
+	lines := []string{fmt.Sprintf("HBM read bandwidth %.0f GB/s (4 GiB, median of 10); llama3-8b bf16, random weights and KV", bw/1e9),
+		"| batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy |",
+		"| --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
+	for _, c := range runs {
+		seqs := make([]compute.Seq, c.bs)
+		for i := range seqs {
+			pg := pagesFor(i, per1K)
+			if c.ctx > 1024 {
+				pg = make([]int32, per8K)
+				for j := range pg {
+					pg[j] = int32(128*per1K + i*per8K + j)
+				}
+			}
+			seqs[i] = compute.Seq{Tokens: []int32{int32(r.IntN(V))}, Pos: c.ctx, Pages: pg, Logits: true}
+		}
+		step := func(copyLogits bool) func() error {
+			return func() error { return b.forwardOpt(ctx, seqs, out[:c.bs], copyLogits) }
+		}
+		b.setGraphMode(graphsOff)
+		eager, err := median(step(true), 3, 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b.setGraphMode(graphsOn)
+		if _, err := median(step(true), 3, 1); err != nil { // capture
+			t.Fatal(err)
+		}
+		b.ResetStepTimes()
+		graph, err := median(step(true), 0, 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := b.StepTimes()
+		b.ResetStepTimes()
+		dev, err := median(step(false), 0, 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st2 := b.StepTimes()
+		floor := (float64(b.WeightBytes()) + float64(c.bs)*float64(c.ctx+1)*kvTok) / bw
+		x := func(d time.Duration) float64 { return d.Seconds() / floor }
+		us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+		l := fmt.Sprintf("| %d | %d | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | %.2f (%.2fx) | %.2f | %.1f / %.1f | %.1f / %.1f |",
+			c.bs, c.ctx, floor*1e3, ms(eager), x(eager), ms(graph), x(graph), ms(dev), x(dev),
+			ms(st.Busy)/float64(max(st.Passes, 1)), us(st.GapMean()), us(st.GapMax), us(st2.GapMean()), us(st2.GapMax))
+		lines = append(lines, l)
+		t.Log(l)
+	}
+	gs := b.GraphStats()
+	lines = append(lines, fmt.Sprintf("graphs: %+v", gs))
+	t.Log(lines[len(lines)-1])
+	if gs.Replays < 4*40 {
+		t.Errorf("decode steps did not replay graphs: %+v", gs)
+	}
+	if d := os.Getenv("BENCH_OUT"); d != "" {
+		if err := os.WriteFile(d, []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
+			t.Error(err)
+		}
+	}
+}

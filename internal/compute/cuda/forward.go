@@ -98,8 +98,9 @@ func (b *Backend) forwardOpt(ctx context.Context, seqs []compute.Seq, out [][]fl
 	}
 	err := b.forward(ctx, seqs, out, copyLogits)
 	if err != nil {
+		b.tm.broken()
 		// Leave the GPU idle whatever happened, so scratch can be reused.
-		if serr := b.cx.Synchronize(); serr != nil {
+		if serr := b.stream.Synchronize(); serr != nil {
 			err = errors.Join(err, serr)
 		}
 	}
@@ -146,81 +147,119 @@ func (b *Backend) check(seqs []compute.Seq, out [][]float32) (n, m int, err erro
 	return n, m, nil
 }
 
-// plan is one forward pass's metadata, laid out in one buffer (int32
-// sections, then the int64 slots) that is copied to the GPU at once.
-type plan struct {
-	n, m       int
-	ng, np     int // split-K queries; flash prefill sequences
-	nsplit     int // splits of the longest split-K query
-	maxPrefill int // longest flash prefill chunk
-	// section offsets in int32 units
-	tok, pos, gRow, gPos, gPtoff, pStart, pLen, pPos0, pPtoff, pages, lrows int
-	slot                                                                    int // in int64 units
-	size                                                                    int // bytes
+// passBufs are the device buffers a pass reads and writes.
+type passBufs struct {
+	x, xb, qkv, q, att, gu, h, part, lx, logits, meta cu.DevicePtr
 }
 
-func (b *Backend) makePlan(seqs []compute.Seq, n, m int) (*plan, []int32, []int64) {
-	ps := b.layout.PageSize
-	p := &plan{n: n, m: m}
-	npages := 0
-	for _, s := range seqs {
-		if len(s.Tokens) == 0 {
-			continue
-		}
-		end := s.Pos + len(s.Tokens)
-		npages += (end + ps - 1) / ps
-		if b.flash && !b.opts.NoFlashPrefill && len(s.Tokens) > 1 {
-			p.np++
-			p.maxPrefill = max(p.maxPrefill, len(s.Tokens))
-		} else {
-			p.ng += len(s.Tokens)
-			p.nsplit = max(p.nsplit, (end+b.fn.split-1)/b.fn.split)
+// eagerBufs grows the eager scratch to what p needs (the stream is idle).
+func (b *Backend) eagerBufs(p *passPlan) (*passBufs, error) {
+	s := &b.s
+	need := b.pc.scratchFor(p)
+	for _, e := range []struct {
+		d  *dbuf
+		sz uint64
+	}{
+		{&s.x, need.x}, {&s.xb, need.xb}, {&s.qkv, need.qkv}, {&s.q, need.q}, {&s.att, need.att},
+		{&s.gu, need.gu}, {&s.h, need.h}, {&s.lx, need.lx}, {&s.logits, need.logits}, {&s.meta, need.meta},
+		{&s.part, need.part},
+	} {
+		if err := b.ensure(e.d, e.sz); err != nil {
+			return nil, fmt.Errorf("cuda backend: scratch: %w", err)
 		}
 	}
-	o := 0
-	sec := func(k int) int { r := o; o += k; return r }
-	p.tok, p.pos = sec(n), sec(n)
-	p.gRow, p.gPos, p.gPtoff = sec(p.ng), sec(p.ng), sec(p.ng)
-	p.pStart, p.pLen, p.pPos0, p.pPtoff = sec(p.np), sec(p.np), sec(p.np), sec(p.np)
-	p.pages, p.lrows = sec(npages), sec(m)
-	o = (o + 1) &^ 1
-	p.slot = o / 2
-	p.size = o*4 + n*8
-	i32 := make([]int32, o)
-	i64 := make([]int64, n)
-	kvd := int64(b.cfg.KVHeads * b.cfg.HeadDim)
-	t, g, q, pg, lr := 0, 0, 0, 0, 0
-	for _, s := range seqs {
-		if len(s.Tokens) == 0 {
-			continue
+	return &passBufs{x: s.x.p, xb: s.xb.p, qkv: s.qkv.p, q: s.q.p, att: s.att.p, gu: s.gu.p, h: s.h.p,
+		part: s.part.p, lx: s.lx.p, logits: s.logits.p, meta: s.meta.p}, nil
+}
+
+func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool) error {
+	n, _, err := b.check(seqs, out)
+	if err != nil || n == 0 {
+		return err
+	}
+	if b.graphs != nil && b.gmode != graphsOff && isDecode(seqs) {
+		if done, err := b.forwardDecode(ctx, seqs, out, copyLogits); done {
+			return err
 		}
-		end := s.Pos + len(s.Tokens)
-		ptoff := pg
-		for _, x := range s.Pages[:(end+ps-1)/ps] {
-			i32[p.pages+pg] = x
-			pg++
+	}
+	p, err := buildPlan(&b.pc, seqs, nil)
+	if err != nil {
+		return err
+	}
+	d, err := b.eagerBufs(p)
+	if err != nil {
+		return err
+	}
+	if err := b.begin(p, d.meta); err != nil {
+		return err
+	}
+	if err := b.enqueue(ctx, p, d, seqs); err != nil {
+		return err
+	}
+	return b.finish(seqs, out, p, d.logits, copyLogits)
+}
+
+// begin marks a step's start (Options.TimeSteps) and copies p's metadata
+// to meta through the pinned staging buffer, async on the stream (idle, so
+// the staging buffer is free).
+func (b *Backend) begin(p *passPlan, meta cu.DevicePtr) error {
+	if err := b.ensureHost(&b.s.hostMeta, uint64(p.size)); err != nil {
+		return err
+	}
+	copy(b.s.hostMeta.Bytes(), p.bytes())
+	if err := b.tm.start(b.stream); err != nil {
+		return err
+	}
+	return b.stream.MemcpyHtoD(meta, b.s.hostMeta.Ptr(), uint64(p.size))
+}
+
+// finish copies the logits rows of the seqs (the first rows of logits) to
+// the host, async on the stream, waits for the pass and hands each seq its
+// row.
+func (b *Backend) finish(seqs []compute.Seq, out [][]float32, p *passPlan, logits cu.DevicePtr, copyLogits bool) error {
+	c := &b.cfg
+	m := 0
+	for i := range seqs {
+		if seqs[i].Logits {
+			m++
 		}
-		flash := b.flash && !b.opts.NoFlashPrefill && len(s.Tokens) > 1
-		if flash {
-			i32[p.pStart+q], i32[p.pLen+q], i32[p.pPos0+q], i32[p.pPtoff+q] = int32(t), int32(len(s.Tokens)), int32(s.Pos), int32(ptoff)
-			q++
+	}
+	if m > 0 && copyLogits {
+		lb := uint64(m) * uint64(c.Vocab) * 4
+		if err := b.ensureHostLogits(lb); err != nil {
+			return err
 		}
-		for j, tok := range s.Tokens {
-			pos := s.Pos + j
-			i32[p.tok+t], i32[p.pos+t] = tok, int32(pos)
-			i64[t] = int64(s.Pages[pos/ps])*int64(ps)*kvd + int64(pos%ps)*kvd
-			if !flash {
-				i32[p.gRow+g], i32[p.gPos+g], i32[p.gPtoff+g] = int32(t), int32(pos), int32(ptoff)
-				g++
+		if err := b.stream.MemcpyDtoH(b.s.hostLogits.Ptr(), logits, lb); err != nil {
+			return err
+		}
+	}
+	if err := b.tm.stop(b.stream); err != nil {
+		return err
+	}
+	if err := b.stream.Synchronize(); err != nil {
+		return fmt.Errorf("cuda backend: forward: %w", err)
+	}
+	if err := b.tm.done(); err != nil {
+		return err
+	}
+	if m > 0 && copyLogits {
+		all := unsafe.Slice((*float32)(b.s.hostLogits.Ptr()), m*c.Vocab)
+		var wg sync.WaitGroup
+		r := 0
+		for i, sq := range seqs {
+			if sq.Logits {
+				dst, src := out[i][:c.Vocab], all[r*c.Vocab:(r+1)*c.Vocab]
+				if m*c.Vocab < 1<<20 {
+					copy(dst, src)
+				} else {
+					wg.Go(func() { copy(dst, src) })
+				}
+				r++
 			}
-			t++
 		}
-		if s.Logits {
-			i32[p.lrows+lr] = int32(t - 1)
-			lr++
-		}
+		wg.Wait()
 	}
-	return p, i32, i64
+	return nil
 }
 
 // run is a sticky-error launcher for one forward pass.
@@ -273,52 +312,22 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		C: uint64(y), CType: yt, LDC: out, Compute: comp})
 }
 
-// partBudget bounds the split-K attention's partial results per launch.
+// partBudget bounds the split-K attention's partial results per launch of
+// an eager pass (graphPartBudget: of a captured one).
 const partBudget = 256 << 20
 
-func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool) error {
-	n, m, err := b.check(seqs, out)
-	if err != nil || n == 0 {
-		return err
-	}
+// enqueue launches pass p over buffers d on the backend's stream, the
+// metadata already copied to d.meta. It only enqueues (no allocation, no
+// synchronisation), so it can run under stream capture: then ctx is nil
+// (no cancellation checks) and seqs nil (no layer calls).
+func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []compute.Seq) error {
 	c := &b.cfg
-	s := &b.s
-	eb := uint64(b.eb)
 	dim, qd, kvd, hid := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
-	un := uint64(n)
-	p, i32, i64 := b.makePlan(seqs, n, m)
-	for _, e := range []struct {
-		d  *dbuf
-		sz uint64
-	}{
-		{&s.x, un * uint64(dim) * 4}, {&s.xb, un * uint64(dim) * eb}, {&s.qkv, un * uint64(qd+2*kvd) * 4},
-		{&s.q, un * uint64(qd) * eb}, {&s.att, un * uint64(qd) * eb}, {&s.gu, un * uint64(2*hid) * eb},
-		{&s.h, un * uint64(hid) * eb}, {&s.lx, uint64(max(m, 1)) * uint64(dim) * eb},
-		{&s.logits, uint64(max(m, 1)) * uint64(c.Vocab) * 4}, {&s.meta, uint64(p.size)},
-	} {
-		if err := b.ensure(e.d, e.sz); err != nil {
-			return fmt.Errorf("cuda backend: scratch: %w", err)
-		}
-	}
-	perQuery := uint64(c.Heads) * uint64(max(p.nsplit, 1)) * uint64(c.HeadDim+2) * 4
-	qchunk := max(1, min(p.ng, int(partBudget/perQuery)))
-	if err := b.ensure(&s.part, uint64(qchunk)*perQuery); err != nil {
-		return fmt.Errorf("cuda backend: scratch: %w", err)
-	}
-	if err := b.ensureHost(&s.hostMeta, uint64(p.size)); err != nil {
-		return err
-	}
-	hm := s.hostMeta.Bytes()
-	copy(hm, unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(i32))), len(i32)*4))
-	if n > 0 {
-		copy(hm[p.slot*8:], unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(i64))), n*8))
-	}
-	st := b.cx.DefaultStream()
+	n, m := p.n, p.m
+	st := b.stream
 	r := &run{b: b, s: st}
-	if err := st.MemcpyHtoD(s.meta.p, s.hostMeta.Ptr(), uint64(p.size)); err != nil {
-		return err
-	}
-	meta := func(off int) cu.DevicePtr { return s.meta.p + cu.DevicePtr(off*4) }
+	meta := func(off int) cu.DevicePtr { return d.meta + cu.DevicePtr(off*4) }
+	slots := d.meta + cu.DevicePtr(p.slot*8)
 	null := cu.DevicePtr(0)
 	nb := uint32(n)
 	hd := c.HeadDim
@@ -332,24 +341,27 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	rmsT := rmsThreads(dim)
 	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
 	siluY := siluBlocks(hid)
+	qchunk := p.qchunk
+	partML := d.part + cu.DevicePtr(uint64(qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4)
 
 	hooked := false
 	for i := range seqs {
 		hooked = hooked || seqs[i].Layer != nil
 	}
-	r.launch(b.fn.embed, cu.D1(nb), cu.D1(256), 0, s.x.p, b.w.embed, meta(p.tok), int32(dim))
+	r.launch(b.fn.embed, cu.D1(nb), cu.D1(256), 0, d.x, b.w.embed, meta(p.tok), int32(dim))
 	for li := range b.w.layers {
-		if err := ctx.Err(); err != nil {
-			return err
+		if ctx != nil {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
 		}
 		w := &b.w.layers[li]
 		kc := b.kvBase + cu.DevicePtr(2*li)*layerBytes
 		vc := kc + layerBytes
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, s.xb.p, s.x.p, w.attnNorm, null, int32(dim), c.NormEps)
-		r.gemm(s.qkv.p, true, s.xb.p, w.wqkv, n, qd+2*kvd, dim, 0)
-		r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, s.q.p, kc, vc, s.qkv.p, w.bqkv,
-			meta(p.pos), s.meta.p+cu.DevicePtr(p.slot*8), b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads),
-			int32(c.KVHeads), interleaved)
+		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
+		r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
+		r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, d.q, kc, vc, d.qkv, w.bqkv,
+			meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), interleaved)
 		if hooked && r.err == nil {
 			if err := b.reportLayer(st, seqs, li); err != nil {
 				return fmt.Errorf("cuda backend: layer %d: %w", li, err)
@@ -358,14 +370,13 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		if p.np > 0 && b.fn.attnFlash2 != nil {
 			bq := 16 * b.fn.flash2Warps
 			r.launch(b.fn.attnFlash2, cu.Dim3{X: uint32((p.maxPrefill + bq - 1) / bq), Y: uint32(c.Heads), Z: uint32(p.np)},
-				cu.D1(uint32(32*b.fn.flash2Warps)), uint32(b.fn.flash2Smem), s.att.p, s.q.p, kc, vc, meta(p.pStart), meta(p.pLen),
+				cu.D1(uint32(32*b.fn.flash2Warps)), uint32(b.fn.flash2Smem), d.att, d.q, kc, vc, meta(p.pStart), meta(p.pLen),
 				meta(p.pPos0), meta(p.pPtoff), meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), scaleLog2)
 		} else if p.np > 0 {
 			r.launch(b.fn.attnFlash, cu.Dim3{X: uint32((p.maxPrefill + 63) / 64), Y: uint32(c.Heads), Z: uint32(p.np)},
-				cu.D1(128), 0, s.att.p, s.q.p, kc, vc, meta(p.pStart), meta(p.pLen), meta(p.pPos0), meta(p.pPtoff),
+				cu.D1(128), 0, d.att, d.q, kc, vc, meta(p.pStart), meta(p.pLen), meta(p.pPos0), meta(p.pPtoff),
 				meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), scaleLog2)
 		}
-		partML := s.part.p + cu.DevicePtr(uint64(qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4)
 		for q0 := 0; q0 < p.ng; q0 += qchunk {
 			cnt := uint32(min(qchunk, p.ng-q0))
 			af, at := b.fn.attnSplit, uint32(b.fn.attThreads)
@@ -373,55 +384,26 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 				af, at = b.fn.attnDecode, 128
 			}
 			r.launch(af, cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}, cu.D1(at), 0,
-				s.part.p, partML, s.q.p, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
+				d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
 				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0), div)
 			r.launch(b.fn.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(b.fn.combineThreads)), 0,
-				s.att.p, s.part.p, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
+				d.att, d.part, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
 		}
-		r.gemm(s.x.p, true, s.att.p, w.wo, n, dim, qd, 1)
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, s.xb.p, s.x.p, w.ffnNorm, null, int32(dim), c.NormEps)
-		r.gemm(s.gu.p, false, s.xb.p, w.w13, n, 2*hid, dim, 0)
-		r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, s.h.p, s.gu.p, int32(hid))
-		r.gemm(s.x.p, true, s.h.p, w.w2, n, dim, hid, 1)
+		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
+		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
+		r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
+		r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
+		r.gemm(d.x, true, d.h, w.w2, n, dim, hid, 1)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: layer %d: %w", li, r.err)
 		}
 	}
 	if m > 0 {
-		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsT), 0, s.lx.p, s.x.p, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
-		r.gemm(s.logits.p, true, s.lx.p, b.w.lmHead, m, c.Vocab, dim, 0)
+		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsT), 0, d.lx, d.x, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
+		r.gemm(d.logits, true, d.lx, b.w.lmHead, m, c.Vocab, dim, 0)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: logits: %w", r.err)
 		}
-		if copyLogits {
-			lb := uint64(m) * uint64(c.Vocab) * 4
-			if err := b.ensureHostLogits(lb); err != nil {
-				return err
-			}
-			if err := st.MemcpyDtoH(s.hostLogits.Ptr(), s.logits.p, lb); err != nil {
-				return err
-			}
-		}
-	}
-	if err := st.Synchronize(); err != nil {
-		return fmt.Errorf("cuda backend: forward: %w", err)
-	}
-	if m > 0 && copyLogits {
-		all := unsafe.Slice((*float32)(s.hostLogits.Ptr()), m*c.Vocab)
-		var wg sync.WaitGroup
-		r := 0
-		for i, sq := range seqs {
-			if sq.Logits {
-				dst, src := out[i][:c.Vocab], all[r*c.Vocab:(r+1)*c.Vocab]
-				if m*c.Vocab < 1<<20 {
-					copy(dst, src)
-				} else {
-					wg.Go(func() { copy(dst, src) })
-				}
-				r++
-			}
-		}
-		wg.Wait()
 	}
 	return nil
 }
@@ -460,7 +442,7 @@ func (b *Backend) ensureHostLogits(n uint64) error {
 	if b.s.hostLogits != nil && b.s.hostLogits.Size() >= n {
 		return nil
 	}
-	if err := b.cx.DefaultStream().Synchronize(); err != nil {
+	if err := b.stream.Synchronize(); err != nil {
 		return err
 	}
 	return b.ensureHost(&b.s.hostLogits, n)

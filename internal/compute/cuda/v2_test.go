@@ -183,7 +183,7 @@ func TestProfile8B(t *testing.T) {
 		t.Fatal(err)
 	}
 	marker := func() {
-		if err := b.cx.DefaultStream().Launch(b.fn.readBW, cu.D1(1), cu.D1(32), 0, b.kvBase, int64(0), b.kvBase); err != nil {
+		if err := b.stream.Launch(b.fn.readBW, cu.D1(1), cu.D1(32), 0, b.kvBase, int64(0), b.kvBase); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -164,12 +164,17 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 		return err
 	}
 	blocks := uint32(min((pairs+255)/256, 4096))
-	return b.cx.DefaultStream().Launch(b.fn.ropeTable, cu.D1(blocks), cu.D1(256), 0, b.ropeTab, b.rope, int32(b.ropeN))
+	// The copies above ran on the legacy stream, which the backend's stream
+	// does not wait for; a pageable copy may return before its DMA ends.
+	if err = b.cx.Synchronize(); err != nil {
+		return err
+	}
+	return b.stream.Launch(b.fn.ropeTable, cu.D1(blocks), cu.D1(256), 0, b.ropeTab, b.rope, int32(b.ropeN))
 }
 
 // fill runs a fill_random kernel over n elements at p.
 func (b *Backend) fill(f *cu.Function, p cu.DevicePtr, n, seed uint64, scale, offset float32) error {
-	return b.cx.DefaultStream().Launch(f, cu.D1(4096), cu.D1(256), 0, p, int64(n), seed, scale, offset)
+	return b.stream.Launch(f, cu.D1(4096), cu.D1(256), 0, p, int64(n), seed, scale, offset)
 }
 
 // upload copies v to the GPU at p as bf16 (rounded to nearest even) or f32.

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# issue9.sh: one device call (nvidia-h200, ~3-7 minutes) for issue 9's first
+# seams: the explicit stream, pass plans and CUDA graphs for decode.
+# Build here first, then run there with the bundle carried:
+#   GPU_TEST_PKGS=./internal/compute/cuda scripts/gpu-bundle.sh
+#   run(command="bash scripts/gpu/issue9.sh", carry=["gpu-bundle"], timeout_s=540)
+# Stages, each independent (a failing or hanging one does not stop the
+# others), each ending in a PASS or FAIL line:
+#   1 cuda   internal/cuda GPU tests (graph capture/replay/update among them)
+#   2 core   internal/compute/cuda: graph == eager (f32, bit for bit), capture
+#            fallback, step timing, stories260K exactness, batch invariance
+#   3 rest   the other internal/compute/cuda tests (vs CPU, flash prefill,
+#            kernel sets, small kernels, plan tests)
+#   4 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
+#            batch 1/32/128 ctx 1K and batch 8 ctx 8K, the step gap, and the
+#            HBM read floor measured in the same run
+# Logs in $OUT (7 files); the summary and the bench table print last.
+set -u
+O=${OUT:-/tmp/issue9}
+mkdir -p "$O"
+root=$PWD
+w=$(mktemp -d)
+trap 'rm -rf "$w"' EXIT
+export XDG_CACHE_HOME=$w/cache
+export MOONCAKE_SHARED=$root/gpu-bundle/shared
+sum=$O/summary.txt
+: >"$sum"
+note() { echo "$*" | tee -a "$sum"; }
+
+{
+	date -u
+	nvidia-smi -L
+	nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv
+	uname -r
+} >"$O/system.txt" 2>&1
+note "$(head -3 "$O/system.txt" | tr '\n' ' ')"
+
+for b in internal.cuda.test internal.compute.cuda.test; do
+	if ! { xz -dc "gpu-bundle/bin/$b.xz" >"$w/$b" && chmod +x "$w/$b"; }; then
+		note "FAIL unpack $b (build the bundle with GPU_TEST_PKGS=./internal/compute/cuda)"
+	fi
+done
+
+# stage NAME LIMIT_S PKGDIR BINARY ARGS...: runs a test binary in its
+# package directory, logs to $O/NAME.log, prints PASS or FAIL with counts.
+stage() {
+	local name=$1 limit=$2 dir=$3 bin=$4
+	shift 4
+	local log=$O/$name.log t0=$SECONDS rc
+	if [ ! -x "$w/$bin" ]; then
+		note "FAIL $name: no binary $bin"
+		return
+	fi
+	(cd "$root/$dir" && timeout -k 10 "$limit" "$w/$bin" -test.v -test.timeout "$((limit - 5))s" "$@") >"$log" 2>&1
+	rc=$?
+	local pass fail skip
+	pass=$(grep -cE '^--- PASS' "$log")
+	fail=$(grep -cE '^--- FAIL' "$log")
+	skip=$(grep -cE '^--- SKIP' "$log")
+	local nogpu
+	nogpu=$(grep -m1 -oE '(no usable GPU|no CUDA): .*' "$log" | cut -c1-160)
+	if [ $rc -eq 0 ] && [ -n "$nogpu" ]; then
+		note "FAIL $name: GPU tests skipped: $nogpu"
+	elif [ $rc -eq 0 ]; then
+		note "PASS $name: $pass passed, $skip skipped, $((SECONDS - t0)) s"
+	else
+		local why=""
+		[ $rc -ge 124 ] && why=" (timed out or killed after ${limit} s)"
+		note "FAIL $name: rc $rc$why, $pass passed, $fail failed, $skip skipped, $((SECONDS - t0)) s"
+		grep -E '^\s*--- FAIL|^panic|FATAL' "$log" | head -15 | tee -a "$sum"
+		grep -E '_test\.go:[0-9]+:' "$log" | grep -vE 'skip|no usable GPU' | tail -10 | tee -a "$sum"
+	fi
+}
+
+core='TestGraph|TestStepTimes|TestStories260K|TestBatchInvariance'
+stage cuda 75 internal/cuda internal.cuda.test
+stage core 150 internal/compute/cuda internal.compute.cuda.test -test.run "$core"
+stage rest 110 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|TestBench|TestProfile|TestHFvsTorch"
+MOONCAKE_BENCH=1 BENCH_OUT=$O/bench.txt stage bench 130 internal/compute/cuda internal.compute.cuda.test -test.run 'TestBenchGraph8B$'
+
+echo
+echo "=== key lines"
+grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture' \
+	"$O"/core.log "$O"/cuda.log 2>/dev/null | cut -c1-220 | head -40
+grep -hE 'loaded in|HBM read' "$O/bench.log" 2>/dev/null | cut -c1-220
+echo
+echo "=== summary"
+cat "$sum"
+echo
+echo "=== decode step, llama3-8b shape (bench.txt)"
+cat "$O/bench.txt" 2>/dev/null || echo "no bench table (see bench.log)"
