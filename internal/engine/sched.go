@@ -138,10 +138,9 @@ func (e *Engine) start(s *seq) {
 		s.state = statePrefill
 		s.hook.Pages(slices.Clone(s.pages))
 	case s.req.Preloaded != nil:
-		// The prefill server sampled the first token with the same seed:
-		// skip its draw so seeded sampling continues the same stream.
+		// The prefill server sampled step 0; emit counts it, so decoding
+		// samples step 1 on, as the colocated request does.
 		pl := s.req.Preloaded
-		s.sampler.Skip()
 		s.state = stateDecode
 		s.pos = len(s.prompt)
 		s.next[0] = int32(pl.FirstToken)
@@ -247,7 +246,7 @@ func (e *Engine) step(ctx context.Context) error {
 			if s.prefilled < len(s.prompt) {
 				continue
 			}
-			tok := s.sampler.Sample(logits)
+			tok := s.sampler.Sample(uint64(s.output), logits)
 			s.state = stateDecode
 			s.pos = len(s.prompt)
 			s.next[0] = int32(tok)
@@ -256,7 +255,7 @@ func (e *Engine) step(ctx context.Context) error {
 			continue
 		}
 		s.pos++
-		tok := s.sampler.Sample(logits)
+		tok := s.sampler.Sample(uint64(s.output), logits)
 		s.next[0] = int32(tok)
 		lp, top := e.logprobs(s, logits, tok)
 		e.emit(s, tok, lp, top)
