@@ -72,7 +72,7 @@ func weigh(z, w []float32, m, invT float32) float64 {
 // rule keeps (see sample).
 const prefilterMargin = 1e-9
 
-// sample is steps 2 to 5 of the rule for a non-greedy request, on the
+// sample is steps 5 to 9 of the rule for a non-greedy request, on the
 // adjusted logits z.
 func (s *Sampler) sample(z []float32, u float64) int {
 	V := len(z)
@@ -144,7 +144,7 @@ func (s *Sampler) sample(z []float32, u float64) int {
 	return draw(w, cand, u)
 }
 
-// nucleus is the length of the longest prefix of cand in which every
+// nucleus (step 7) is the length of the longest prefix of cand in which every
 // candidate j has C(j-1) <= limit (at least 1).
 func nucleus(w []float32, cand []int32, limit float64) int {
 	var P, r, prev float64 // P(b), the block's running sum, C(j-1)
@@ -162,7 +162,7 @@ func nucleus(w []float32, cand []int32, limit float64) int {
 	return len(cand)
 }
 
-// draw is step 5 over cand: the first candidate j with C(j) > u*T.
+// draw is step 9 over cand: the first candidate j with C(j) > u*W.
 func draw(w []float32, cand []int32, u float64) int {
 	var T, r float64
 	for j, id := range cand {
@@ -189,7 +189,7 @@ func draw(w []float32, cand []int32, u float64) int {
 	return int(cand[len(cand)-1]) // unreachable: C(n-1) = T > u*T
 }
 
-// drawBlocks is step 5 over every id in id order, whose block sums are
+// drawBlocks is step 9 over every id in id order, whose block sums are
 // known: a block whose end P(b+1) is at most the target holds no C(j)
 // above it, so only the block where P first exceeds it is walked.
 func drawBlocks(w []float32, blocks []float64, target float64) int {

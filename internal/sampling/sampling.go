@@ -14,36 +14,35 @@
 //
 // # The sampling rule
 //
-// The token of one step, from logits l[0..V) (float32), parameters, the
-// prompt, the output so far and the uniform u:
+// The token of one step, from logits l[0..V) (float32), the parameters,
+// the prompt, the output so far and u = Uniform(seed, step). Steps 1-3 make the
+// adjusted logits z (float32, from l), each listed token once, in vLLM's
+// order (SGLang adds logit_bias after the penalties, which differs only
+// where the repetition penalty meets a biased token):
 //
-//  1. Adjusted logits z (float32), from l, each listed token once, in this
-//     order (vLLM's; SGLang adds logit_bias after the penalties, which
-//     differs only where the repetition penalty meets a biased token):
-//     a. logit bias: z[t] += float32(bias[t]);
-//     b. repetition penalty r, tokens in the prompt or the output:
-//     z[t] /= float32(r) if z[t] > 0, else z[t] *= float32(r);
-//     c. frequency f and presence p, tokens in the output (n[t] times):
-//     z[t] -= float32(f*n[t] + p) (the product, then the sum, in float64).
-//  2. Greedy (temperature below 1e-6, SGLang's epsilon, or top_k 1): the
+//  1. Logit bias: z[t] += float32(bias[t]).
+//  2. Repetition penalty r, tokens in the prompt or the output: z[t] /=
+//     float32(r) if z[t] > 0, else z[t] *= float32(r).
+//  3. Frequency f and presence p, tokens in the output (n[t] times):
+//     z[t] -= float32(f*n[t] + p), the product and then the sum in float64.
+//  4. Greedy (temperature below 1e-6, SGLang's epsilon, or top_k 1): the
 //     argmax of z, the lowest id among equal maxima, never a NaN (0 if all
 //     are). Likewise when the max m of z is NaN (some z is) or infinite.
-//  3. Weights (float32): w[i] = E((z[i] - m) * float32(1/T)), E below, T
-//     the temperature; a maximum has w = 1 exactly.
-//  4. Candidates, a sequence of ids. "Weight order" is w descending, then
-//     id ascending.
-//     a. top_k k with 0 < k < V: the first k ids in weight order;
-//     else top_p p with 0 < p < 1: every id in weight order;
-//     else every id in id order.
-//     b. top_p p with 0 < p < 1: keep the longest prefix in which every
-//     candidate j has C(j-1) <= p*S (C(-1) = 0, so the first stays): C is
-//     the blocked cumulative sum of the candidates' w and S the blocked
-//     total of all w in id order (both below).
-//     c. min_p q > 0: drop the candidates with float64(w) < q, keeping the
-//     order (w = 1 always stays).
-//  5. Draw: the first candidate j with C(j) > u*W, C the blocked cumulative
-//     sum of the (final) candidates' w and W their blocked total. W >= 1 and
-//     u*W < W, so one exists, and a candidate of weight 0 is never drawn.
+//  5. Weights (float32): w[i] = E((z[i] - m) * float32(1/T)), T the
+//     temperature, E below; a maximum has w = 1 exactly.
+//  6. Candidates, a sequence of ids, "weight order" being w descending,
+//     then id ascending: with top_k k, 0 < k < V, the first k ids in weight
+//     order; else with top_p p, 0 < p < 1, every id in weight order; else
+//     every id in id order.
+//  7. top_p p, 0 < p < 1: keep the longest prefix in which every candidate
+//     j has C(j-1) <= p*S (C(-1) = 0: the first stays), C the blocked
+//     cumulative sum of the candidates' w and S the blocked total of all w
+//     in id order (below).
+//  8. min_p q > 0: drop the candidates with float64(w) < q, keeping the
+//     order (a w of 1 stays).
+//  9. Draw: the first candidate j with C(j) > u*W, C the blocked cumulative
+//     sum of the remaining candidates' w and W their blocked total. W >= 1
+//     and u*W < W, so one exists, and a weight of 0 is never drawn.
 //
 // Blocked sums, float64, so that a GPU can add blocks in parallel and get
 // the same bits: a sequence a[0..n) is cut into blocks of 256 consecutive
@@ -58,13 +57,15 @@
 // __fmul_rn and __fadd_rn), no flush to zero:
 //
 //	d < -86 or NaN:  E = 0
-//	k = (d * log2e + 0x1.8p23) - 0x1.8p23      (log2e = float32(log2(e)))
-//	r = (d - k*ln2hi) - k*ln2lo                (ln2hi = 0x1.62e4p-1, ln2lo = float32(ln 2 - ln2hi))
-//	q = (((((((1/5040)*r + 1/720)*r + 1/120)*r + 1/24)*r + 1/6)*r + 1/2)*r + 1)*r + 1
-//	E = q * 2^k                                (1/n! as float32 constants)
+//	k = (d*log2e + 0x1.8p23) - 0x1.8p23   d*log2e rounded to an integer, ties to even
+//	r = (d - k*ln2hi) - k*ln2lo           k*ln2hi is exact
+//	q = (((((((c7*r + c6)*r + c5)*r + c4)*r + c3)*r + c2)*r + c1)*r + c0
+//	E = q * 2^k                           2^k built from its exponent bits
 //
-// E is within one float32 ulp of e^d; its own definition, not a libm's, so
-// every machine computes the same weights. Everything outside the rule (the
+// with the float32 constants log2e = float32(log2(e)), ln2hi = 0x1.62e4p-1,
+// ln2lo = float32(ln(2) - ln2hi) and cn = float32(1/n!) (each the nearest
+// float32). E is within one float32 ulp of e^d, and its own definition, not
+// a libm's, so every machine computes the same weights. Everything outside the rule (the
 // heap for top_k, a prefilter for top_p) only saves work.
 //
 // logit_bias, the penalties, temperature and the filters shape the draw
@@ -216,7 +217,7 @@ func (s *Sampler) Sample(step uint64, logits []float32) int {
 	return s.sample(z, Uniform(s.seed, step))
 }
 
-// adjust is step 1 of the rule: logits, or the work row holding them with
+// adjust is steps 1-3 of the rule: logits, or the work row holding them with
 // the bias and penalties applied.
 func (s *Sampler) adjust(logits []float32) []float32 {
 	rep := s.p.repeats() && len(s.prompt)+len(s.counts) > 0
