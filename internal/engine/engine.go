@@ -47,7 +47,7 @@ const eventBuffer = 16
 // still become a stop string is held back; at the end, held text is flushed.
 // Event.Logprob (when Request.Logprobs) is the chosen token's log-probability
 // under the model's raw distribution: log-softmax of the logits at
-// temperature 1, before penalties, temperature and top-k/top-p/min-p (vLLM's
+// temperature 1, before logit_bias, penalties, temperature and top-k/top-p/min-p (vLLM's
 // "raw" logprobs), so it does not depend on the sampling parameters.
 //
 // Seeds: output step k of a request with Params.Seed s draws

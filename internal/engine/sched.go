@@ -278,7 +278,7 @@ func (e *Engine) forward(ctx context.Context) (err error) {
 
 // logprobs are the chosen token's log-probability and the position's most
 // likely tokens under the model's raw distribution: log-softmax of the
-// logits at temperature 1, before penalties, temperature and filters. Each
+// logits at temperature 1, before logit_bias, penalties, temperature and filters. Each
 // only when the request asked for it, both from one normalisation: it costs
 // an exp per vocabulary entry (1-2 ms at 128K), on the first token's
 // critical path. A prefill-only request sees the same flags as its decode
