@@ -421,6 +421,10 @@ func (d *Decode) call(ctx context.Context, method, url string, body []byte, out 
 	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
+		// Registering or canceling a room twice is harmless (the second is
+		// refused), so the transport may resend on a pooled connection that
+		// turned out dead (a prefill that restarted).
+		req.Header.Set("Idempotency-Key", url)
 	}
 	mac := signRequest(d.cfg.Secret, req, body, time.Now())
 	resp, err := d.client.Do(req)

@@ -96,7 +96,7 @@ func reasonOf(err error, fallback Reason) Reason {
 		return ReasonAuth
 	case errors.Is(err, transfer.ErrOutOfBounds), errors.Is(err, transfer.ErrAccessDenied):
 		return ReasonBounds
-	case errors.Is(err, transfer.ErrPeerDead), errors.Is(err, transfer.ErrPeerRestarted):
+	case errors.Is(err, transfer.ErrPeerDead), errors.Is(err, transfer.ErrPeerRestarted), errors.Is(err, ErrPrefillUnreachable):
 		return ReasonPeerDead
 	case errors.Is(err, transfer.ErrTimeout), errors.Is(err, context.DeadlineExceeded):
 		return ReasonTransfer

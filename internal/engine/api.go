@@ -36,9 +36,13 @@ type SamplingParams struct {
 	// RepetitionPenalty scales the logits of tokens already in the prompt
 	// or the output (0 or 1: off; > 1 discourages repeats).
 	RepetitionPenalty float64
-	Stop              []string // stop strings; the matched string is not part of the output text
-	StopTokenIDs      []int
-	IgnoreEOS         bool
+	// LogitBias is added to the logits of its token ids (in the
+	// vocabulary) before the penalties, for sampling only: at most
+	// sampling.MaxLogitBias entries in [-100, 100] (OpenAI's logit_bias).
+	LogitBias    map[int]float64
+	Stop         []string // stop strings; the matched string is not part of the output text
+	StopTokenIDs []int
+	IgnoreEOS    bool
 }
 
 // Request is one generation request.

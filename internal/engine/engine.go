@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -46,11 +47,12 @@ const eventBuffer = 16
 // still become a stop string is held back; at the end, held text is flushed.
 // Event.Logprob (when Request.Logprobs) is the chosen token's log-probability
 // under the model's raw distribution: log-softmax of the logits at
-// temperature 1, before penalties, temperature and top-k/top-p/min-p (vLLM's
+// temperature 1, before logit_bias, penalties, temperature and top-k/top-p/min-p (vLLM's
 // "raw" logprobs), so it does not depend on the sampling parameters.
 //
-// Seeds: a request with Params.Seed samples from a stream fixed by it; one
-// without draws from DefaultSeed mixed with the engine's request counter.
+// Seeds: output step k of a request with Params.Seed s draws
+// sampling.Uniform(s, k); one without a seed uses DefaultSeed mixed with the
+// engine's request counter instead of s.
 //
 // Disaggregation (Request.Prefill, Request.Preloaded):
 //   - Prefill: the prompt is reserved and run in chunks; Pages is called at
@@ -67,9 +69,9 @@ const eventBuffer = 16
 //     engine reserves the decode pages beyond them, emits FirstToken as the
 //     first output token (its stop conditions apply) and decodes on, feeding
 //     FirstToken at position len(InputIDs). No prompt token is computed or
-//     counted in mooncake_engine_prefill_tokens_total. The sampler skips the
-//     draw the prefill server used for the first token and counts it for the
-//     penalties, so a seeded request continues exactly the colocated stream.
+//     counted in mooncake_engine_prefill_tokens_total. FirstToken counts for
+//     the penalties and decoding samples from step 1 (the prefill server
+//     sampled step 0), so a seeded request gives the colocated tokens.
 //
 // Lifecycle: New, then Run in a goroutine; Submit from any goroutine; Close
 // stops Run, aborts every request still queued or running (Finish "abort"
@@ -366,6 +368,11 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 	if err := samplingParams(p).Validate(); err != nil {
 		return nil, fmt.Errorf("%w: request %s: %w", ErrBadRequest, r.ID, err)
 	}
+	for id := range p.LogitBias {
+		if id >= e.vocab {
+			return nil, bad("logit_bias token id %d is outside the vocabulary [0, %d)", id, e.vocab)
+		}
+	}
 	prompt := make([]int32, n)
 	for i, id := range r.InputIDs {
 		if id < 0 || id >= e.vocab {
@@ -392,6 +399,7 @@ func (e *Engine) newSeq(r *Request) (*seq, error) {
 		s.gate = g.Ready()
 	}
 	s.req.InputIDs = slices.Clone(r.InputIDs)
+	s.req.Params.LogitBias = maps.Clone(p.LogitBias)
 	s.table = e.pages.NewTable()
 	if pl := r.Preloaded; pl != nil {
 		if pl.Table == nil || pl.Table.Len() < e.pagesFor(n) {
@@ -482,6 +490,7 @@ func samplingParams(p SamplingParams) sampling.Params {
 		FrequencyPenalty:  p.FrequencyPenalty,
 		PresencePenalty:   p.PresencePenalty,
 		RepetitionPenalty: p.RepetitionPenalty,
+		LogitBias:         p.LogitBias,
 	}
 }
 

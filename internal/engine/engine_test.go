@@ -702,7 +702,7 @@ search:
 	plain := sampling.Argmax(logits)
 	ref := sampling.New(sampling.Params{RepetitionPenalty: 2}, 0)
 	ref.SetPrompt(prompt)
-	want := ref.Sample(logits)
+	want := ref.Sample(0, logits)
 	if want == plain {
 		t.Fatalf("the reference sampler did not move off the prompt token %d", plain)
 	}

@@ -160,10 +160,17 @@ func TestPrefillHookAbort(t *testing.T) {
 // TestDisaggregatedMatchesColocated runs requests through a prefill engine
 // and a decode engine (each with its own model and pool, the KV "transfer"
 // done by copying the fake's cache), and checks that the output equals the
-// colocated output, token for token, greedy and seeded, and that the decode
-// side never computes the prompt.
+// colocated output, token for token, greedy and seeded, with and without a
+// logit bias, and that the decode side never computes the prompt.
 func TestDisaggregatedMatchesColocated(t *testing.T) {
 	seed := int64(1234)
+	prompt := ids("disaggregate me")
+	// Ban the unbiased greedy answer's tokens and favour one token: prefill
+	// and decode must both apply the bias for PD to equal colocated.
+	bias := map[int]float64{'e': 3.5}
+	for _, tok := range expectGreedy(i32(prompt), nil, 12, false) {
+		bias[tok] = -100
+	}
 	for _, tc := range []struct {
 		name   string
 		params SamplingParams
@@ -171,14 +178,24 @@ func TestDisaggregatedMatchesColocated(t *testing.T) {
 		{"greedy", SamplingParams{MaxNewTokens: 12}},
 		{"seeded", SamplingParams{MaxNewTokens: 12, Temperature: 1.3, TopP: 0.95, FrequencyPenalty: 0.5, Seed: &seed}},
 		{"one token", SamplingParams{MaxNewTokens: 1}},
+		{"logit_bias greedy", SamplingParams{MaxNewTokens: 12, LogitBias: bias}},
+		{"logit_bias seeded", SamplingParams{MaxNewTokens: 12, Temperature: 0.9, TopK: 40, MinP: 0.02,
+			RepetitionPenalty: 1.2, Seed: &seed, LogitBias: bias}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			colo := startEngine(t, 64, 4, func(c *Config) { c.ChunkedPrefillSize = 4 })
 			pre := startEngine(t, 64, 4, func(c *Config) { c.ChunkedPrefillSize = 4 })
 			dec := startEngine(t, 32, 4, nil)
-			prompt := ids("disaggregate me")
 
 			want := colo.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3})
+			if tc.params.LogitBias != nil {
+				unbiased := tc.params
+				unbiased.LogitBias = nil
+				u := colo.generate(t, &Request{InputIDs: prompt, Params: unbiased})
+				if slices.Equal(u.tokens, want.tokens) || slices.ContainsFunc(want.tokens, func(tok int) bool { return bias[tok] < 0 }) {
+					t.Fatalf("the bias did not act: biased %v, unbiased %v", want.tokens, u.tokens)
+				}
+			}
 
 			h := newRecHook()
 			pr := pre.generate(t, &Request{InputIDs: prompt, Params: tc.params, Logprobs: true, TopLogprobs: 3, Prefill: h, Room: 77})

@@ -213,10 +213,9 @@ func (e *Engine) start(s *seq) {
 			c.Cached(s.cached)
 		}
 	case s.req.Preloaded != nil:
-		// The prefill server sampled the first token with the same seed:
-		// skip its draw so seeded sampling continues the same stream.
+		// The prefill server sampled step 0; emit counts it, so decoding
+		// samples step 1 on, as the colocated request does.
 		pl := s.req.Preloaded
-		s.sampler.Skip()
 		s.state = stateDecode
 		s.pos = len(s.prompt)
 		s.next[0] = int32(pl.FirstToken)
@@ -322,7 +321,7 @@ func (e *Engine) step(ctx context.Context) error {
 			if s.prefilled < len(s.prompt) {
 				continue
 			}
-			tok := s.sampler.Sample(logits)
+			tok := s.sampler.Sample(uint64(s.output), logits)
 			s.state = stateDecode
 			s.pos = len(s.prompt)
 			s.next[0] = int32(tok)
@@ -331,7 +330,7 @@ func (e *Engine) step(ctx context.Context) error {
 			continue
 		}
 		s.pos++
-		tok := s.sampler.Sample(logits)
+		tok := s.sampler.Sample(uint64(s.output), logits)
 		s.next[0] = int32(tok)
 		lp, top := e.logprobs(s, logits, tok)
 		e.emit(s, tok, lp, top)
@@ -354,7 +353,7 @@ func (e *Engine) forward(ctx context.Context) (err error) {
 
 // logprobs are the chosen token's log-probability and the position's most
 // likely tokens under the model's raw distribution: log-softmax of the
-// logits at temperature 1, before penalties, temperature and filters. Each
+// logits at temperature 1, before logit_bias, penalties, temperature and filters. Each
 // only when the request asked for it, both from one normalisation: it costs
 // an exp per vocabulary entry (1-2 ms at 128K), on the first token's
 // critical path. A prefill-only request sees the same flags as its decode

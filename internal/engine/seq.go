@@ -42,7 +42,7 @@ type seq struct {
 	prefilled int      // prompt tokens whose KV is in the pool
 	pos       int      // position of next (decode)
 	next      [1]int32 // token to feed at pos
-	output    int      // output tokens so far
+	output    int      // output tokens so far, and the sampling step of the next
 	sampler   *sampling.Sampler
 	text      *textOut
 

@@ -88,8 +88,8 @@ func TestArgmaxTiesLowestID(t *testing.T) {
 func TestTopK1EqualsGreedy(t *testing.T) {
 	for seed := range uint64(20) {
 		l := randomLogits(seed, 500)
-		greedy := New(Params{}, seed).Sample(l)
-		k1 := New(Params{Temperature: 1.5, TopK: 1}, seed).Sample(l)
+		greedy := New(Params{}, seed).Sample(0, l)
+		k1 := New(Params{Temperature: 1.5, TopK: 1}, seed).Sample(0, l)
 		if greedy != k1 || greedy != Argmax(l) {
 			t.Fatalf("seed %d: greedy %d, top_k=1 %d, argmax %d", seed, greedy, k1, Argmax(l))
 		}
@@ -102,8 +102,8 @@ func TestSeedReproducible(t *testing.T) {
 	draw := func(seed uint64) []int {
 		s := New(p, seed)
 		var out []int
-		for range 50 {
-			out = append(out, s.Sample(l))
+		for k := range uint64(50) {
+			out = append(out, s.Sample(k, l))
 		}
 		return out
 	}
@@ -122,17 +122,27 @@ func TestSeedReproducible(t *testing.T) {
 	}
 }
 
-func TestSkipAlignsStream(t *testing.T) {
+// TestStepIsStateless: a step's token depends on the step, not on the
+// draws made before it, so a decode server resumes at step 1 with a fresh
+// sampler; and it is the rule's token for Uniform(seed, step).
+func TestStepIsStateless(t *testing.T) {
 	l := randomLogits(3, 300)
 	p := Params{Temperature: 1}
 	a := New(p, 9)
-	a.Sample(l)
-	b := New(p, 9)
-	b.Skip()
-	for i := range 20 {
-		if x, y := a.Sample(l), b.Sample(l); x != y {
-			t.Fatalf("draw %d after skip: %d vs %d", i, x, y)
+	var got []int
+	for k := range uint64(20) {
+		got = append(got, a.Sample(k, l))
+	}
+	for k := uint64(19); k < 20; k-- { // backwards, each on a fresh sampler
+		if y := New(p, 9).Sample(k, l); y != got[k] {
+			t.Fatalf("step %d: %d after the earlier steps, %d alone", k, got[k], y)
 		}
+		if want := reference(p, l, nil, nil, Uniform(9, k)); got[k] != want {
+			t.Fatalf("step %d: %d, the rule gives %d", k, got[k], want)
+		}
+	}
+	if slices.Equal(got[:10], got[10:]) {
+		t.Fatalf("steps 0-9 and 10-19 drew the same tokens %v", got)
 	}
 }
 
@@ -141,7 +151,7 @@ func TestSampleDoesNotModifyLogits(t *testing.T) {
 	orig := append([]float32(nil), l...)
 	s := New(Params{Temperature: 1, TopP: 0.5, FrequencyPenalty: 1}, 1)
 	s.Accept(3)
-	s.Sample(l)
+	s.Sample(0, l)
 	for i := range l {
 		if l[i] != orig[i] {
 			t.Fatalf("logit %d changed", i)
@@ -168,7 +178,7 @@ func TestPenalties(t *testing.T) {
 			for _, a := range tc.accepted {
 				s.Accept(a)
 			}
-			if got := s.Sample(l); got != tc.want {
+			if got := s.Sample(0, l); got != tc.want {
 				t.Fatalf("got %d, want %d", got, tc.want)
 			}
 		})
@@ -198,7 +208,7 @@ func TestRepetitionPenalty(t *testing.T) {
 			for _, a := range tc.accepted {
 				s.Accept(a)
 			}
-			if got := s.Sample(l); got != tc.want {
+			if got := s.Sample(0, l); got != tc.want {
 				t.Fatalf("got %d, want %d", got, tc.want)
 			}
 		})
@@ -208,7 +218,7 @@ func TestRepetitionPenalty(t *testing.T) {
 	s := New(Params{RepetitionPenalty: 2}, 0)
 	s.SetPrompt([]int32{0, 1})
 	row := []float32{3, -3, 1}
-	s.Sample(row)
+	s.Sample(0, row)
 	if want := []float32{1.5, -6, 1}; !slices.Equal(s.work, want) {
 		t.Fatalf("penalised row %v, want %v", s.work, want)
 	}
@@ -224,8 +234,8 @@ func histogram(p Params, seed uint64, l []float32, n int, accepted ...int) []int
 		s.Accept(a)
 	}
 	h := make([]int, len(l))
-	for range n {
-		h[s.Sample(l)]++
+	for k := range uint64(n) {
+		h[s.Sample(k, l)]++
 	}
 	return h
 }
@@ -296,8 +306,8 @@ func TestTopPLargeVocabPrefilter(t *testing.T) {
 	probs := softmax(l, 1)
 	s := New(Params{Temperature: 1, TopP: 0.8}, 1)
 	seen := map[int]bool{}
-	for range 3000 {
-		seen[s.Sample(l)] = true
+	for k := range uint64(3000) {
+		seen[s.Sample(k, l)] = true
 	}
 	// every drawn token must have cumulative-before <= 0.8 in sorted order
 	var order []int
@@ -348,8 +358,46 @@ func BenchmarkSample(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			s := New(tc.p, 1)
 			b.ReportAllocs()
+			k := uint64(0)
 			for b.Loop() {
-				s.Sample(l)
+				s.Sample(k, l)
+				k++
+			}
+		})
+	}
+}
+
+// BenchmarkSampleBatch is one engine step's sampling at batch 64 with a
+// 128K vocabulary (Llama 3's 128256): a Sample per row, each row its own
+// logits and sampler.
+func BenchmarkSampleBatch(b *testing.B) {
+	const batch, vocab = 64, 128256
+	rows := make([][]float32, batch)
+	for i := range rows {
+		rows[i] = randomLogits(uint64(i), vocab)
+	}
+	for _, tc := range []struct {
+		name string
+		p    Params
+	}{
+		{"greedy", Params{}},
+		{"temperature", Params{Temperature: 0.8}},
+		{"top_k=40", Params{Temperature: 0.8, TopK: 40}},
+		{"top_p=0.9", Params{Temperature: 0.8, TopP: 0.9}},
+		{"min_p=0.05", Params{Temperature: 0.8, MinP: 0.05}},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			ss := make([]*Sampler, batch)
+			for i := range ss {
+				ss[i] = New(tc.p, uint64(i))
+			}
+			step := uint64(0)
+			b.ReportAllocs()
+			for b.Loop() {
+				for i, s := range ss {
+					s.Sample(step, rows[i])
+				}
+				step++
 			}
 		})
 	}

@@ -175,6 +175,7 @@ type sampling struct {
 	IgnoreEOS         bool
 	Seed              *int64
 	N                 *int
+	LogitBias         json.RawMessage
 
 	maxName string // the field that carried MaxNewTokens: "max_new_tokens" or "max_tokens"
 	prefix  string // "sampling_params." for /generate
@@ -255,6 +256,9 @@ func (p *sampling) params(vocab int) (sp engine.SamplingParams, maxZero bool, e 
 		if id < 0 || (vocab > 0 && id >= vocab) {
 			return sp, false, badRequest(f("stop_token_ids"), "%s: token id %d is outside the vocabulary [0, %d)", f("stop_token_ids"), id, vocab)
 		}
+	}
+	if sp.LogitBias, e = logitBias(f("logit_bias"), p.LogitBias, vocab); e != nil {
+		return sp, false, e
 	}
 	sp.Stop = []string(p.Stop)
 	sp.StopTokenIDs = p.StopTokenIDs

@@ -32,6 +32,8 @@ type samplingFields struct {
 	StopTokenIDs      []int    `json:"stop_token_ids"`
 	IgnoreEOS         bool     `json:"ignore_eos"`
 	Seed              *int64   `json:"seed"`
+
+	LogitBias json.RawMessage `json:"logit_bias"` // checked by logitBias
 }
 
 func (o *samplingFields) sampling(maxTokens *int, maxName string) sampling {
@@ -39,6 +41,7 @@ func (o *samplingFields) sampling(maxTokens *int, maxName string) sampling {
 		MaxNewTokens: maxTokens, Temperature: o.Temperature, TopP: o.TopP, TopK: o.TopK, MinP: o.MinP,
 		FrequencyPenalty: o.FrequencyPenalty, PresencePenalty: o.PresencePenalty, RepetitionPenalty: o.RepetitionPenalty,
 		Stop: o.Stop, StopTokenIDs: o.StopTokenIDs, IgnoreEOS: o.IgnoreEOS, Seed: o.Seed, N: o.N, maxName: maxName,
+		LogitBias: o.LogitBias,
 	}
 }
 

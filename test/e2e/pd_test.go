@@ -1,14 +1,17 @@
 package e2e
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -47,13 +50,14 @@ func loadRefs(t *testing.T, shared string) []refCase {
 }
 
 // workloads are the reference cases plus n generated prompts (fixed seed),
-// some streamed.
+// some streamed, some seeded at a temperature, some with a logit bias.
 func workloads(refs []refCase, n int) []workload {
 	var out []workload
 	for _, c := range refs {
 		out = append(out, workload{ref: c.Next, body: map[string]any{"text": c.Prompt,
 			"sampling_params": map[string]any{"temperature": 0, "max_new_tokens": len(c.Next)}}})
 	}
+	bias := refBias(refs)
 	words := strings.Fields(`once upon a time there was a little girl named Lily she loved to play outside
 		in the park one day saw big red ball Tom and Ben went dog cat bird tree happy sad mom said let's go
 		home sun was shining they ran fast jumped over the fence found a box with toys inside`)
@@ -74,6 +78,16 @@ func workloads(refs []refCase, n int) []workload {
 		if i%7 == 0 { // over the prompt and the output: prefill and decode must both apply it
 			sp["repetition_penalty"] = 1.3
 		}
+		if i%6 == 1 { // prefill and decode must both apply it
+			sp["logit_bias"] = bias
+		}
+		if i%4 == 3 { // prefill samples step 0, decode steps 1 on: the colocated draws
+			sp["temperature"] = 0.9
+			sp[[]string{"seed", "sampling_seed"}[i/4%2]] = 1000 + i
+			if i%8 == 7 {
+				sp["top_p"], sp["top_k"], sp["min_p"] = 0.9, 40, 0.02
+			}
+		}
 		body := map[string]any{"text": strings.Join(ws, " "), "sampling_params": sp}
 		if i%3 == 0 {
 			body["stream"] = true
@@ -81,6 +95,28 @@ func workloads(refs []refCase, n int) []workload {
 		out = append(out, workload{body: body})
 	}
 	return out
+}
+
+// refBias bans the three tokens the reference answers use most and favours
+// a fourth.
+func refBias(refs []refCase) map[string]any {
+	counts := map[int]int{}
+	for _, c := range refs {
+		for _, id := range c.Next {
+			counts[id]++
+		}
+	}
+	ids := slices.Collect(maps.Keys(counts))
+	slices.SortFunc(ids, func(a, b int) int { return cmp.Or(counts[b]-counts[a], a-b) })
+	bias := map[string]any{}
+	for i, id := range ids[:min(4, len(ids))] {
+		v := any(-100)
+		if i == 3 {
+			v = 2.5
+		}
+		bias[strconv.Itoa(id)] = v
+	}
+	return bias
 }
 
 // runAll sends every workload to url, conc at a time; outputs by index.
@@ -186,6 +222,18 @@ func TestDisaggMatchesColocated(t *testing.T) {
 	}
 	if rp.Status != 200 || rq.Status != 200 || slices.Equal(rp.IDs, rq.IDs) {
 		t.Fatalf("repetition_penalty 1.5 gave the same 48 tokens as none (status %d/%d): %v", rp.Status, rq.Status, rq.IDs)
+	}
+	// So does logit_bias: the banned tokens never appear.
+	biased := map[string]any{"text": "Once upon a time", "sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 48,
+		"ignore_eos": true, "logit_bias": refBias(refs)}}
+	rb, err := generate(context.Background(), colo.url, biased)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rb.Status != 200 || slices.Equal(rp.IDs, rb.IDs) || slices.ContainsFunc(rb.IDs, func(id int) bool {
+		return refBias(refs)[strconv.Itoa(id)] == -100
+	}) {
+		t.Fatalf("logit_bias %v: status %d, tokens %v (unbiased %v)", refBias(refs), rb.Status, rb.IDs, rp.IDs)
 	}
 	colo.kill()
 
