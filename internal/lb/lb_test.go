@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -26,7 +27,11 @@ type fakeServer struct {
 	fail    atomic.Bool // answer /generate with 400
 	mu      sync.Mutex
 	bodies  []map[string]any
+	headers []http.Header
 	release chan struct{} // decode waits for it before answering, if set
+	// gen, if set, answers /generate after the body was recorded.
+	gen  func(w http.ResponseWriter, r *http.Request)
+	load atomic.Pointer[map[string]any] // added to /get_server_info
 }
 
 func newFake(t *testing.T, mode string) *fakeServer {
@@ -39,13 +44,22 @@ func newFake(t *testing.T, mode string) *fakeServer {
 		switch r.URL.Path {
 		case "/health":
 		case "/get_server_info":
-			json.NewEncoder(w).Encode(map[string]any{"disaggregation_mode": f.mode, "bootstrap_port": 9123})
-		case "/generate":
+			info := map[string]any{"disaggregation_mode": f.mode, "bootstrap_port": 9123}
+			if l := f.load.Load(); l != nil {
+				maps.Copy(info, *l)
+			}
+			json.NewEncoder(w).Encode(info)
+		case "/generate", "/v1/completions":
 			var m map[string]any
 			json.NewDecoder(r.Body).Decode(&m)
 			f.mu.Lock()
 			f.bodies = append(f.bodies, m)
+			f.headers = append(f.headers, r.Header.Clone())
 			f.mu.Unlock()
+			if f.gen != nil {
+				f.gen(w, r)
+				return
+			}
 			if f.fail.Load() {
 				w.WriteHeader(http.StatusBadRequest)
 				w.Write([]byte(`{"error":{"message":"prompt is empty","type":"invalid_request_error","code":400}}`))
@@ -239,6 +253,8 @@ func TestDecodeDiesMidStream(t *testing.T) {
 		switch r.URL.Path {
 		case "/health":
 			return
+		case "/get_server_info":
+			w.Write([]byte(`{"disaggregation_mode":"decode"}`))
 		case "/generate":
 			w.Header().Set("Content-Type", "text/event-stream")
 			w.Write([]byte("data: {\"text\":\"a\"}\n\n"))
