@@ -207,9 +207,11 @@ func (l *LB) checkAll(ctx context.Context) {
 			switch {
 			case err != nil && was:
 				l.lg.Warn("server unhealthy: not routing to it", zap.String("role", b.role), zap.String("url", b.String()), zap.Error(err))
-			case err == nil && !was:
+			case err == nil && !was && b.role == "prefill":
 				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()),
 					zap.Int64("bootstrap_port", b.bootstrapPort.Load()))
+			case err == nil && !was:
+				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()))
 			}
 		}(b)
 	}
@@ -448,6 +450,9 @@ func upstreamFailure(b *backend, resp *http.Response) *failure {
 		f.code, f.cause, f.retry = code, "overloaded", true
 	case code == http.StatusGatewayTimeout: // its time bound passed already
 		f.code, f.cause = code, "timeout"
+	case code == http.StatusBadGateway && b.role == "decode":
+		// The decode's own upstream, the prefill, failed it: replace that.
+		f.code, f.role, f.cause, f.retry = code, "prefill", "unreachable", true
 	default:
 		f.code, f.cause, f.retry = http.StatusBadGateway, "error", true
 	}

@@ -443,3 +443,34 @@ func TestHTTPServerReadTimeout(t *testing.T) {
 		t.Fatalf("slow body cut after %v, want about %v", el, read)
 	}
 }
+
+// TestDecode502BlamesPrefill: a decode's 502 says its own upstream, the
+// prefill, failed it: the retry goes to another prefill.
+func TestDecode502BlamesPrefill(t *testing.T) {
+	p1, p2 := newFake(t, "prefill"), newFake(t, "prefill")
+	p1.load.Store(&map[string]any{"bootstrap_port": 1111})
+	p2.load.Store(&map[string]any{"bootstrap_port": 2222})
+	d := newFake(t, "decode")
+	d.gen = func(w http.ResponseWriter, r *http.Request) {
+		d.mu.Lock()
+		port := d.bodies[len(d.bodies)-1]["bootstrap_port"]
+		d.mu.Unlock()
+		if port == float64(1111) {
+			w.WriteHeader(502)
+			w.Write([]byte(`{"error":{"message":"disagg: prefill server unreachable","code":502}}`))
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.Write([]byte("data: {\"text\":\"a\"}\n\ndata: [DONE]\n\n"))
+	}
+	l, srv, reg := startLB(t, Config{Prefill: []string{p1.URL, p2.URL}, Decode: []string{d.URL}, Policy: "round_robin"})
+	waitFor(t, 2*time.Second, func() bool {
+		return l.prefill[0].bootstrapPort.Load() == 1111 && l.prefill[1].bootstrapPort.Load() == 2222
+	})
+	if code, out := post(t, srv.URL+"/generate", `{"text":"x","stream":true}`); code != 200 {
+		t.Fatalf("got %d %s", code, out)
+	}
+	if n := metricValue(t, reg, "mooncake_lb_retries_total", "role", "prefill", "cause", "unreachable"); n != 1 {
+		t.Fatalf("retries{prefill,unreachable} = %v, want 1", n)
+	}
+}
