@@ -60,11 +60,13 @@ func (rn *run) submit(ctx context.Context, h http.Header, req *engine.Request, b
 	if req.ID == "" {
 		req.ID = newID("")
 	}
+	if boot != nil {
+		req.Room = boot.Room
+	}
 	if e := rn.s.admit(h, boot, req.ID); e != nil {
 		return e
 	}
 	if boot != nil {
-		req.Room = boot.Room
 		if p := rn.s.cfg.PrepareDisagg; p != nil {
 			if err := p(ctx, req, *boot); err != nil {
 				return asError(fmt.Errorf("disaggregation: %w", err))
