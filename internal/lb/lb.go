@@ -379,6 +379,9 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	if first == nil {
 		return code
 	}
+	if r.Context().Err() != nil {
+		return statusClientClosed
+	}
 	if !first.retry {
 		return first.write(w)
 	}
