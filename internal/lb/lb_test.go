@@ -101,7 +101,7 @@ func startLB(t *testing.T, cfg Config) (*LB, *httptest.Server, *prometheus.Regis
 	reg := prometheus.NewRegistry()
 	cfg.Registerer, cfg.Gatherer = reg, reg
 	if cfg.HealthInterval == 0 {
-		cfg.HealthInterval = 50 * time.Millisecond
+		cfg.HealthInterval = 100 * time.Millisecond
 	}
 	l, err := New(cfg)
 	if err != nil {
@@ -111,6 +111,15 @@ func startLB(t *testing.T, cfg Config) (*LB, *httptest.Server, *prometheus.Regis
 	done := make(chan struct{})
 	go func() { l.Run(ctx); close(done) }()
 	<-l.Ready()
+	// A check may time out on a loaded machine (-race): wait for them all.
+	waitFor(t, 5*time.Second, func() bool {
+		for _, b := range append(append([]*backend{}, l.prefill...), l.decode...) {
+			if !b.usable() {
+				return false
+			}
+		}
+		return true
+	})
 	srv := httptest.NewServer(l.Handler())
 	t.Cleanup(func() { srv.Close(); cancel(); <-done })
 	return l, srv, reg

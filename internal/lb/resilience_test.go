@@ -311,7 +311,7 @@ func sseStub(t *testing.T, health func(w http.ResponseWriter, r *http.Request), 
 // event after the idle timeout; one that stalls before answering gets the
 // client a 504; an answer sent whole is bound by its server's health.
 func TestUpstreamIdle(t *testing.T) {
-	const idle = 300 * time.Millisecond
+	const idle = 500 * time.Millisecond
 	stalled := make(chan struct{})
 	t.Cleanup(func() { close(stalled) })
 	stall := func(r *http.Request) {
@@ -336,7 +336,7 @@ func TestUpstreamIdle(t *testing.T) {
 		start := time.Now()
 		code, out := post(t, srv.URL+"/generate", `{"text":"x","stream":true}`)
 		el := time.Since(start)
-		if code != 200 || !strings.Contains(out, `data: {"text":"2"}`) || !strings.Contains(out, `data: {"error"`) || !strings.Contains(out, "no bytes for 300ms") ||
+		if code != 200 || !strings.Contains(out, `data: {"text":"2"}`) || !strings.Contains(out, `data: {"error"`) || !strings.Contains(out, "no bytes for 500ms") ||
 			strings.Contains(out, "[DONE]") {
 			t.Fatalf("stalled stream: %d %q", code, out)
 		}
@@ -368,7 +368,7 @@ func TestUpstreamIdle(t *testing.T) {
 			time.Sleep(3 * idle) // a long generation, sent whole
 			w.Write([]byte(`{"text":"done"}`))
 		})
-		_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle, HealthInterval: idle / 6})
+		_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle, HealthInterval: idle / 5})
 		if code, out := post(t, srv.URL+"/generate", `{"text":"x"}`); code != 200 || out != `{"text":"done"}` {
 			t.Fatalf("slow whole answer of a healthy server: %d %s", code, out)
 		}
@@ -384,7 +384,7 @@ func TestUpstreamIdle(t *testing.T) {
 			stopped.Store(true) // as a SIGSTOPped process: no answers at all
 			stall(r)
 		})
-		_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle, HealthInterval: idle / 6})
+		_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle, HealthInterval: idle / 5})
 		start := time.Now()
 		code, out := post(t, srv.URL+"/generate", `{"text":"x"}`)
 		if code != 504 || !strings.Contains(out, "no passed health check") || time.Since(start) > 5*time.Second {
