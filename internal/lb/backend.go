@@ -47,6 +47,11 @@ func newBackend(role, raw string) (*backend, error) {
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("--%s %q: want http://host:port", role, raw)
 	}
+	for _, c := range u.Hostname() { // it goes into JSON bodies quoted by strconv
+		if c < 0x21 || c > 0x7e || c == '"' || c == '\\' {
+			return nil, fmt.Errorf("--%s %q: the host has a character that is not printable ASCII", role, raw)
+		}
+	}
 	u.Path = ""
 	return &backend{role: role, url: u}, nil
 }

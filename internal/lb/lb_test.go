@@ -232,7 +232,8 @@ func TestBadInput(t *testing.T) {
 		t.Fatalf("oversize: %d", code)
 	}
 	for _, c := range []Config{{Decode: []string{"http://x"}}, {Prefill: []string{"http://x"}}, {Prefill: []string{"ftp://x"}, Decode: []string{"http://y"}},
-		{Prefill: []string{"http://x"}, Decode: []string{"http://y"}, Policy: "fastest"}} {
+		{Prefill: []string{"http://x"}, Decode: []string{"http://y"}, Policy: "fastest"},
+		{Prefill: []string{"http://h%C3%A9/"}, Decode: []string{"http://y"}}} {
 		if _, err := New(c); err == nil || !strings.Contains(err.Error(), "--") {
 			t.Fatalf("config %+v: error %v does not name the flag", c, err)
 		}
