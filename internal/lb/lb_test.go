@@ -191,7 +191,7 @@ func TestPrefillErrorCancelsDecode(t *testing.T) {
 func TestUnhealthyServerSkippedThenRecovers(t *testing.T) {
 	p := newFake(t, "prefill")
 	d1, d2 := newFake(t, "decode"), newFake(t, "decode")
-	interval := 50 * time.Millisecond
+	interval := 100 * time.Millisecond
 	l, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d1.URL, d2.URL}, Policy: "round_robin", HealthInterval: interval})
 	d1.down.Store(true)
 	waitFor(t, 2*interval+time.Second, func() bool { return !l.decode[0].healthy.Load() })

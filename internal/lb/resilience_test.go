@@ -312,6 +312,7 @@ func sseStub(t *testing.T, health func(w http.ResponseWriter, r *http.Request), 
 // client a 504; an answer sent whole is bound by its server's health.
 func TestUpstreamIdle(t *testing.T) {
 	const idle = 500 * time.Millisecond
+	const gap = idle / 4 // between a live stream's events
 	stalled := make(chan struct{})
 	t.Cleanup(func() { close(stalled) })
 	stall := func(r *http.Request) {
@@ -325,23 +326,24 @@ func TestUpstreamIdle(t *testing.T) {
 	t.Run("mid-stream", func(t *testing.T) {
 		d := sseStub(t, nil, func(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set("Content-Type", "text/event-stream")
-			for i := range 3 { // alive for longer than idle, then stalls
+			for i := range 5 { // alive for longer than idle, then stalls
 				fmt.Fprintf(w, "data: {\"text\":\"%d\"}\n\n", i)
 				w.(http.Flusher).Flush()
-				time.Sleep(idle / 2)
+				time.Sleep(gap)
 			}
 			stall(r)
 		})
 		_, srv, reg := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle})
 		start := time.Now()
+		lastByte := 4 * gap
 		code, out := post(t, srv.URL+"/generate", `{"text":"x","stream":true}`)
 		el := time.Since(start)
-		if code != 200 || !strings.Contains(out, `data: {"text":"2"}`) || !strings.Contains(out, `data: {"error"`) || !strings.Contains(out, "no bytes for 500ms") ||
+		if code != 200 || !strings.Contains(out, `data: {"text":"4"}`) || !strings.Contains(out, `data: {"error"`) || !strings.Contains(out, "no bytes for 500ms") ||
 			strings.Contains(out, "[DONE]") {
 			t.Fatalf("stalled stream: %d %q", code, out)
 		}
-		if el < 2*idle || el > 5*time.Second { // the last byte came after idle
-			t.Fatalf("stalled stream ended after %v, want about %v", el, 2*idle)
+		if el < lastByte+idle || el > 5*time.Second {
+			t.Fatalf("stalled stream ended after %v, want about %v", el, lastByte+idle)
 		}
 		if n := metricValue(t, reg, "mooncake_lb_upstream_idle_timeouts_total", "stage", "mid_response"); n != 1 {
 			t.Fatalf("idle timeouts mid_response = %v", n)
@@ -364,11 +366,12 @@ func TestUpstreamIdle(t *testing.T) {
 	})
 
 	t.Run("whole answer, server alive", func(t *testing.T) {
+		const idle = 1500 * time.Millisecond // many health checks in it, even on a loaded machine
 		d := sseStub(t, nil, func(w http.ResponseWriter, r *http.Request) {
-			time.Sleep(3 * idle) // a long generation, sent whole
+			time.Sleep(2 * idle) // a long generation, sent whole
 			w.Write([]byte(`{"text":"done"}`))
 		})
-		_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle, HealthInterval: idle / 5})
+		_, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, UpstreamIdleTimeout: idle, HealthInterval: idle / 10})
 		if code, out := post(t, srv.URL+"/generate", `{"text":"x"}`); code != 200 || out != `{"text":"done"}` {
 			t.Fatalf("slow whole answer of a healthy server: %d %s", code, out)
 		}
