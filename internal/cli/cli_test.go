@@ -102,4 +102,9 @@ func TestLBFlagErrors(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "--prefill") {
 		t.Fatalf("lb without --prefill: %v", err)
 	}
+	_, err = run(t, "lb", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--insecure-no-cluster-token",
+		"--upstream-idle-timeout", "1s", "--health-check-interval", "2s")
+	if err == nil || !strings.Contains(err.Error(), "--health-check-interval") || !strings.Contains(err.Error(), "--upstream-idle-timeout") {
+		t.Fatalf("lb with an idle timeout shorter than the health checks: %v", err)
+	}
 }

@@ -190,7 +190,11 @@ func runDemo(ctx context.Context, f *demoFlags, lg *zap.Logger, out io.Writer) e
 		return err
 	}
 	reg := newRegistry()
-	l, err := lb.New(lb.Config{Prefill: []string{pre.url}, Decode: []string{dec.url}, Logger: lg, Registerer: reg, Gatherer: reg})
+	secret, err := (&secretFlags{}).resolve(lg) // the children's: the environment's token or the per-user secret
+	if err != nil {
+		return err
+	}
+	l, err := lb.New(lb.Config{Prefill: []string{pre.url}, Decode: []string{dec.url}, Secret: secret, Logger: lg, Registerer: reg, Gatherer: reg})
 	if err != nil {
 		return err
 	}
@@ -202,7 +206,7 @@ func runDemo(ctx context.Context, f *demoFlags, lg *zap.Logger, out io.Writer) e
 		return err
 	}
 	lbURL := "http://" + ln.Addr().String()
-	srv := &http.Server{Handler: l.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	srv := l.HTTPServer()
 	srvDone := make(chan error, 1)
 	go func() { srvDone <- serveHTTP(lctx, srv, ln) }()
 	defer func() { lcancel(); <-srvDone }()

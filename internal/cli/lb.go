@@ -3,9 +3,9 @@ package cli
 import (
 	"fmt"
 	"net"
-	"net/http"
+	"net/url"
+	"os"
 	"strconv"
-	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -19,6 +19,7 @@ func init() { commands = append(commands, newLBCmd) }
 
 func newLBCmd(g *globals) *cobra.Command {
 	var cfg lb.Config
+	var sf secretFlags
 	var host string
 	var port int
 	cmd := &cobra.Command{
@@ -26,8 +27,25 @@ func newLBCmd(g *globals) *cobra.Command {
 		Short: "Run the prefill/decode load balancer",
 		Args:  cobra.NoArgs,
 		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
+			// --host is client-facing: it needs no cluster token. The
+			// secret signs the vouchers the servers check.
+			secret, err := sf.resolve(lg)
+			if err != nil {
+				return err
+			}
+			explicit := sf.token != "" || sf.tokenFile != "" || sf.insecure || os.Getenv("MOONCAKE_CLUSTER_TOKEN") != ""
+			if !explicit {
+				for _, u := range append(append([]string{}, cfg.Prefill...), cfg.Decode...) {
+					if pu, err := url.Parse(u); err == nil && !isLoopback(pu.Hostname()) {
+						lg.Warn("a server is on another host, which cannot hold this host's per-user cluster secret: give the LB and the servers the same "+secretFlagNames,
+							zap.String("url", u))
+						break
+					}
+				}
+			}
+			lg.Info("cluster secret", zap.String("source", secret.Source()), zap.String("fingerprint", secret.Fingerprint()))
 			reg := newRegistry()
-			cfg.Logger, cfg.Registerer, cfg.Gatherer = lg, reg, reg
+			cfg.Secret, cfg.Logger, cfg.Registerer, cfg.Gatherer = secret, lg, reg, reg
 			l, err := lb.New(cfg)
 			if err != nil {
 				return err
@@ -40,8 +58,7 @@ func newLBCmd(g *globals) *cobra.Command {
 			go l.Run(ctx)
 			lg.Info("load balancer listening", zap.String("addr", ln.Addr().String()),
 				zap.Strings("prefill", cfg.Prefill), zap.Strings("decode", cfg.Decode), zap.String("policy", cfg.Policy))
-			srv := &http.Server{Handler: l.Handler(), ReadHeaderTimeout: 10 * time.Second}
-			return serveHTTP(ctx, srv, ln)
+			return serveHTTP(ctx, l.HTTPServer(), ln)
 		}),
 	}
 	f := cmd.Flags()
@@ -50,7 +67,11 @@ func newLBCmd(g *globals) *cobra.Command {
 	f.StringVar(&host, "host", "127.0.0.1", "listen host")
 	f.IntVar(&port, "port", 8000, "listen port")
 	f.StringVar(&cfg.Policy, "policy", "random", "random, round_robin or least_load")
-	f.DurationVar(&cfg.HealthInterval, "health-check-interval", time.Second, "health check period")
+	f.DurationVar(&cfg.HealthInterval, "health-check-interval", lb.DefaultHealthInterval, "health check period")
+	f.DurationVar(&cfg.UpstreamIdleTimeout, "upstream-idle-timeout", lb.DefaultUpstreamIdleTimeout,
+		"end an upstream answer with no sign of life for this long (a stream: no bytes; an answer sent whole: no passed health check)")
+	f.DurationVar(&cfg.HTTPReadTimeout, "http-read-timeout", lb.DefaultHTTPReadTimeout, "bound on reading a client's request, body included")
+	sf.register(f)
 	return cmd
 }
 

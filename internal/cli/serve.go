@@ -47,6 +47,7 @@ type serveFlags struct {
 	disableCUDAGraph                     bool
 	cudaGraphMaxBS                       int
 	graphFlagsSet                        bool // either graph flag given (the cpu backend notes it ignores them)
+	allowDirect, allowUnsigned           bool
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -94,6 +95,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
 	fl.StringVar(&f.randomWeights, "random-weights", "", "serve seeded random weights of a named shape ("+strings.Join(model.RandomShapes(), ", ")+
 		"), made on the GPU with --device cuda: for benchmarks of large shapes without a model directory")
+	fl.BoolVar(&f.allowDirect, "allow-direct-requests", false, "prefill or decode: serve requests that did not come through the LB (no bootstrap fields) by computing them here, whole")
+	fl.BoolVar(&f.allowUnsigned, "allow-unsigned-bootstrap", false, "prefill or decode: take bootstrap fields without the LB's voucher (another router, such as SGLang's, in front)")
 	fl.StringVar(&f.debugFault, "debug-fault", "", "fault injection for tests: transfer (a prefill's KV transfers fail)")
 	_ = fl.MarkHidden("debug-fault")
 	return cmd
@@ -383,6 +386,8 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			return out
 		},
 		PrepareDisagg: prepare, Profiling: f.profiling,
+		// No cluster secret (--insecure-no-cluster-token): no vouchers to check.
+		Vouchers: server.VoucherPolicy{Secret: f.secret, AllowUnsigned: f.allowUnsigned || f.secret.IsZero(), AllowDirect: f.allowDirect},
 	})
 	if err != nil {
 		return err

@@ -1,12 +1,15 @@
 // Package lb is the prefill/decode load balancer: it picks a (prefill,
-// decode) pair per request, injects the bootstrap fields, sends the request
-// to both at once and streams the decode side's answer back.
+// decode) pair per request, preferring servers with room, sets the
+// bootstrap fields and vouches for them, sends the request to both at once
+// and streams the decode side's answer back; a pair that fails before the
+// answer started is replaced once.
 package lb
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"sync/atomic"
@@ -21,13 +24,33 @@ type backend struct {
 	inflight atomic.Int64
 	// bootstrapPort is learned from the prefill's /get_server_info (0 until known).
 	bootstrapPort atomic.Int64
-	fails         int // consecutive failed checks (health loop only)
+	load          atomic.Pointer[load] // from the last passed check; nil until one passed
+	lastOK        atomic.Int64         // unix nanoseconds of the last passed check
+}
+
+// load is what a server's /get_server_info says about its room.
+type load struct {
+	Queued     int64 `json:"queued"`
+	Running    int64 `json:"running"`
+	PagesFree  int64 `json:"kv_pages_free"`
+	PagesTotal int64 `json:"kv_pages_total"`
+}
+
+// full reports whether the server has no room for another request now:
+// requests wait in its queue, or its KV pool has no free page.
+func (l *load) full() bool {
+	return l != nil && (l.Queued > 0 || (l.PagesTotal > 0 && l.PagesFree <= 0))
 }
 
 func newBackend(role, raw string) (*backend, error) {
 	u, err := url.Parse(raw)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("--%s %q: want http://host:port", role, raw)
+	}
+	for _, c := range u.Hostname() { // it goes into JSON bodies quoted by strconv
+		if c < 0x21 || c > 0x7e || c == '"' || c == '\\' {
+			return nil, fmt.Errorf("--%s %q: the host has a character that is not printable ASCII", role, raw)
+		}
 	}
 	u.Path = ""
 	return &backend{role: role, url: u}, nil
@@ -37,7 +60,13 @@ func (b *backend) String() string { return b.url.String() }
 
 func (b *backend) endpoint(path string) string { return b.url.String() + path }
 
-// check probes /health and, for a prefill server, learns its bootstrap port.
+// usable reports whether requests may go to b.
+func (b *backend) usable() bool {
+	return b.healthy.Load() && (b.role != "prefill" || b.bootstrapPort.Load() > 0)
+}
+
+// check probes /health and /get_server_info: the server's load and, for a
+// prefill server, its bootstrap port.
 func (b *backend) check(ctx context.Context, c *http.Client, timeout time.Duration) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -46,12 +75,10 @@ func (b *backend) check(ctx context.Context, c *http.Client, timeout time.Durati
 	if err != nil {
 		return err
 	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		return fmt.Errorf("/health answered %d", resp.StatusCode)
-	}
-	if b.role != "prefill" {
-		return nil
 	}
 	req, _ = http.NewRequestWithContext(ctx, http.MethodGet, b.endpoint("/get_server_info"), nil)
 	resp, err = c.Do(req)
@@ -59,19 +86,27 @@ func (b *backend) check(ctx context.Context, c *http.Client, timeout time.Durati
 		return err
 	}
 	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("/get_server_info answered %d", resp.StatusCode)
+	}
 	var info struct {
 		Mode          string `json:"disaggregation_mode"`
 		BootstrapPort int    `json:"bootstrap_port"`
+		load
 	}
-	if err := json.NewDecoder(resp.Body).Decode(&info); err != nil {
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&info); err != nil {
 		return fmt.Errorf("/get_server_info: %w", err)
 	}
-	if info.Mode != "prefill" {
-		return fmt.Errorf("is not a prefill server (disaggregation_mode %q)", info.Mode)
+	if info.Mode != b.role {
+		return fmt.Errorf("is not a %s server (disaggregation_mode %q)", b.role, info.Mode)
 	}
-	if info.BootstrapPort <= 0 {
-		return fmt.Errorf("/get_server_info has no bootstrap_port")
+	if b.role == "prefill" {
+		if info.BootstrapPort <= 0 || info.BootstrapPort > 65535 {
+			return fmt.Errorf("/get_server_info has no bootstrap_port")
+		}
+		b.bootstrapPort.Store(int64(info.BootstrapPort))
 	}
-	b.bootstrapPort.Store(int64(info.BootstrapPort))
+	b.load.Store(&info.load)
+	b.lastOK.Store(time.Now().UnixNano())
 	return nil
 }

@@ -36,7 +36,7 @@ func BenchmarkHop(b *testing.B) {
 	p, d := stub("prefill"), stub("decode")
 	defer p.Close()
 	defer d.Close()
-	l, err := New(Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, HealthInterval: time.Hour})
+	l, err := New(Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, HealthInterval: time.Hour, UpstreamIdleTimeout: 2 * time.Hour})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -66,5 +66,21 @@ func BenchmarkHop(b *testing.B) {
 				do(c.url)
 			}
 		})
+	}
+}
+
+// BenchmarkInject is the splice alone on a 1K-token /generate body.
+func BenchmarkInject(b *testing.B) {
+	ids := make([]int, 1024)
+	for i := range ids {
+		ids[i] = 1000 + i*7
+	}
+	body, _ := json.Marshal(map[string]any{"input_ids": ids, "sampling_params": map[string]any{"max_new_tokens": 1}, "stream": true})
+	b.SetBytes(int64(len(body)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := inject(body, "10.0.0.1", 8998, 1<<62); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

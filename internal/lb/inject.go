@@ -5,29 +5,43 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
+	"unicode/utf8"
 )
 
-// bootstrapKeys are the members the LB sets; a client's own are replaced.
-var bootstrapKeys = []string{"bootstrap_host", "bootstrap_port", "bootstrap_room"}
+// request is a client's JSON object, scanned once: the spans of its
+// members that the LB passes on, byte for byte, and whether it asks for a
+// stream. The bootstrap members are the LB's: a client's own are dropped in
+// every spelling encoding/json would match to them (see matchName), so the
+// servers decode only the LB's.
+type request struct {
+	body   []byte
+	keep   [][2]int // [start, end) of each member kept
+	stream bool     // the last "stream" member is true
+	spans  [8][2]int
+}
 
-// inject returns body, a JSON object, with the bootstrap members set: they
-// come first, followed by the client's members except any bootstrap ones, byte
-// for byte. It scans the object's top level once instead of decoding and
-// re-encoding it (a 1K-token prompt is ~6 KB of ids); values are checked only
-// for their structure, and the servers decode them fully.
-func inject(body []byte, host string, port int64, room uint64) ([]byte, error) {
+// Member names inject looks at, by index.
+const (
+	nameHost = iota
+	namePort
+	nameRoom
+	nameStream
+)
+
+var names = [...]string{"bootstrap_host", "bootstrap_port", "bootstrap_room", "stream"}
+
+// parseRequest scans body's top level once; values are checked only for
+// their structure (the servers decode them fully). A 1K-token prompt is ~6
+// KB of ids, which a decode and re-encode would copy twice.
+func parseRequest(body []byte) (*request, error) {
 	s := scanner{b: body}
 	s.ws()
 	if !s.eat('{') {
 		return nil, errors.New("request body is not a JSON object")
 	}
-	out := make([]byte, 0, len(body)+96)
-	out = append(out, `{"bootstrap_host":`...)
-	out = strconv.AppendQuote(out, host)
-	out = append(out, `,"bootstrap_port":`...)
-	out = strconv.AppendInt(out, port, 10)
-	out = append(out, `,"bootstrap_room":`...)
-	out = strconv.AppendUint(out, room, 10)
+	req := &request{body: body}
+	req.keep = req.spans[:0]
 	s.ws()
 	if !s.eat('}') {
 		for {
@@ -41,12 +55,17 @@ func inject(body []byte, host string, port int64, room uint64) ([]byte, error) {
 				return nil, s.errf("':' after a member name")
 			}
 			s.ws()
+			vstart := s.i
 			if err := s.value(0); err != nil {
 				return nil, fmt.Errorf("request body: value of %s: %w", key, err)
 			}
-			if !isBootstrapKey(key) {
-				out = append(out, ',')
-				out = append(out, body[start:s.i]...)
+			switch matchName(key) {
+			case nameHost, namePort, nameRoom:
+			case nameStream:
+				req.stream = string(body[vstart:s.i]) == "true"
+				fallthrough
+			default:
+				req.keep = append(req.keep, [2]int{start, s.i})
 			}
 			s.ws()
 			if s.eat('}') {
@@ -62,27 +81,78 @@ func inject(body []byte, host string, port int64, room uint64) ([]byte, error) {
 	if s.i != len(body) {
 		return nil, s.errf("the end of the body after the object")
 	}
-	return append(out, '}'), nil
+	return req, nil
 }
 
-// isBootstrapKey reports whether key, a raw JSON string with its quotes,
-// names a bootstrap member.
-func isBootstrapKey(key []byte) bool {
-	name := string(key[1 : len(key)-1])
-	for _, c := range key {
-		if c == '\\' { // escaped: decode it first
-			if err := json.Unmarshal(key, &name); err != nil {
-				return false
-			}
+// with returns the body with the LB's bootstrap members first, then the
+// kept members.
+func (r *request) with(host string, port int64, room uint64) []byte {
+	n := len(host) + 96
+	for _, k := range r.keep {
+		n += k[1] - k[0] + 1
+	}
+	out := make([]byte, 0, n)
+	out = append(out, `{"bootstrap_host":`...)
+	out = strconv.AppendQuote(out, host)
+	out = append(out, `,"bootstrap_port":`...)
+	out = strconv.AppendInt(out, port, 10)
+	out = append(out, `,"bootstrap_room":`...)
+	out = strconv.AppendUint(out, room, 10)
+	for _, k := range r.keep {
+		out = append(out, ',')
+		out = append(out, r.body[k[0]:k[1]]...)
+	}
+	return append(out, '}')
+}
+
+// matchName returns the index in names of the name that key, a raw JSON
+// string with its quotes, matches as encoding/json matches a member to a
+// struct field: after unescaping, exactly or under Unicode simple case
+// folding as strings.EqualFold ("BOOTSTRAP_HOST", "bootſtrap_host" with
+// U+017F, "\u0062ootstrap_host"), or -1.
+func matchName(key []byte) int {
+	inner := key[1 : len(key)-1]
+	plain := true
+	for _, c := range inner {
+		if c == '\\' || c >= utf8.RuneSelf {
+			plain = false
 			break
 		}
 	}
-	for _, k := range bootstrapKeys {
-		if name == k {
-			return true
+	if plain { // the common case: ASCII, no escapes
+		for i, n := range names {
+			if len(inner) == len(n) && asciiEqualFold(inner, n) {
+				return i
+			}
+		}
+		return -1
+	}
+	var name string
+	if err := json.Unmarshal(key, &name); err != nil {
+		return -1 // not reached: the scanner checked the string
+	}
+	for i, n := range names {
+		if strings.EqualFold(name, n) {
+			return i
 		}
 	}
-	return false
+	return -1
+}
+
+func asciiEqualFold(b []byte, s string) bool {
+	for i := range b {
+		x, y := b[i], s[i]
+		if 'A' <= x && x <= 'Z' {
+			x += 'a' - 'A'
+		}
+		if 'A' <= y && y <= 'Z' {
+			y += 'a' - 'A'
+		}
+		if x != y {
+			return false
+		}
+	}
+	return true
 }
 
 // maxDepth bounds the nesting of a request body's values.

@@ -21,6 +21,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
+
+	"github.com/mooncake-go/mooncake-go/internal/lb/voucher"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 )
 
 // Config configures a load balancer. Zero values mean the defaults noted.
@@ -30,13 +33,55 @@ type Config struct {
 	Policy  string   // random (default), round_robin, least_load
 	// HealthInterval is the period of health checks (default 1s). A server
 	// that fails a check stops receiving requests; one that passes again is
-	// used from the next check on.
+	// used from the next check on. Each check also reads the server's load:
+	// servers with room are preferred to full ones.
 	HealthInterval time.Duration
+	// UpstreamIdleTimeout bounds how long an upstream answer may show no
+	// sign of life (default 30s): a stream that sent no bytes for that
+	// long, or an answer sent whole whose server passed no health check
+	// for that long, is ended: with a 504 if nothing reached the client
+	// yet, else with an SSE error event and no [DONE].
+	UpstreamIdleTimeout time.Duration
+	// HTTPReadTimeout bounds reading a client's request, body included, on
+	// the server HTTPServer returns (default 30s).
+	HTTPReadTimeout time.Duration
 	// MaxBodyBytes caps a request body (default 8 MiB).
 	MaxBodyBytes int64
-	Logger       *zap.Logger
-	Registerer   prometheus.Registerer
-	Gatherer     prometheus.Gatherer // for /metrics
+	// Secret signs a voucher for the bootstrap fields of each request
+	// (header voucher.Header), which the servers check. The zero Secret
+	// sends none: the servers must then take unsigned bootstrap fields.
+	Secret     auth.Secret
+	Logger     *zap.Logger
+	Registerer prometheus.Registerer
+	Gatherer   prometheus.Gatherer // for /metrics
+}
+
+// Defaults of Config.
+const (
+	DefaultHealthInterval      = time.Second
+	DefaultUpstreamIdleTimeout = 30 * time.Second
+	DefaultHTTPReadTimeout     = 30 * time.Second
+	DefaultMaxBodyBytes        = 8 << 20
+)
+
+// withDefaults is c with its zero values replaced by the defaults.
+func (c Config) withDefaults() Config {
+	if c.Policy == "" {
+		c.Policy = "random"
+	}
+	if c.HealthInterval == 0 {
+		c.HealthInterval = DefaultHealthInterval
+	}
+	if c.UpstreamIdleTimeout == 0 {
+		c.UpstreamIdleTimeout = DefaultUpstreamIdleTimeout
+	}
+	if c.HTTPReadTimeout == 0 {
+		c.HTTPReadTimeout = DefaultHTTPReadTimeout
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	return c
 }
 
 // Validate reports a configuration New cannot use, naming the flag.
@@ -52,8 +97,20 @@ func (c *Config) Validate() error {
 	default:
 		return fmt.Errorf("--policy %q: want random, round_robin or least_load", c.Policy)
 	}
-	if c.HealthInterval < 0 {
-		return fmt.Errorf("--health-check-interval %v is negative", c.HealthInterval)
+	for _, d := range []struct {
+		flag string
+		v    time.Duration
+	}{{"--health-check-interval", c.HealthInterval}, {"--upstream-idle-timeout", c.UpstreamIdleTimeout}, {"--http-read-timeout", c.HTTPReadTimeout}} {
+		if d.v < 0 {
+			return fmt.Errorf("%s %v is negative", d.flag, d.v)
+		}
+	}
+	if c.MaxBodyBytes < 0 {
+		return fmt.Errorf("MaxBodyBytes %d is negative", c.MaxBodyBytes)
+	}
+	// An answer sent whole is alive while its server passes health checks.
+	if e := c.withDefaults(); e.HealthInterval >= e.UpstreamIdleTimeout {
+		return fmt.Errorf("--health-check-interval %v must be shorter than --upstream-idle-timeout %v", e.HealthInterval, e.UpstreamIdleTimeout)
 	}
 	return nil
 }
@@ -76,15 +133,7 @@ func New(cfg Config) (*LB, error) {
 	if err := cfg.Validate(); err != nil {
 		return nil, err
 	}
-	if cfg.Policy == "" {
-		cfg.Policy = "random"
-	}
-	if cfg.HealthInterval == 0 {
-		cfg.HealthInterval = time.Second
-	}
-	if cfg.MaxBodyBytes == 0 {
-		cfg.MaxBodyBytes = 8 << 20
-	}
+	cfg = cfg.withDefaults()
 	lg := cfg.Logger
 	if lg == nil {
 		lg = zap.NewNop()
@@ -109,7 +158,22 @@ func New(cfg Config) (*LB, error) {
 		}
 		l.decode = append(l.decode, b)
 	}
+	if cfg.Secret.IsZero() {
+		l.lg.Warn("no cluster secret: the bootstrap fields go without vouchers, which the servers accept only with --allow-unsigned-bootstrap")
+	}
 	return l, nil
+}
+
+// HTTPServer is an http.Server for Handler with the LB's bounds on reading
+// requests.
+func (l *LB) HTTPServer() *http.Server {
+	return &http.Server{
+		Handler:           l.Handler(),
+		ReadHeaderTimeout: min(10*time.Second, l.cfg.HTTPReadTimeout),
+		ReadTimeout:       l.cfg.HTTPReadTimeout,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          zap.NewStdLog(l.lg.Named("http")),
+	}
 }
 
 // Run checks every server's health each interval until ctx ends.
@@ -143,9 +207,11 @@ func (l *LB) checkAll(ctx context.Context) {
 			switch {
 			case err != nil && was:
 				l.lg.Warn("server unhealthy: not routing to it", zap.String("role", b.role), zap.String("url", b.String()), zap.Error(err))
-			case err == nil && !was:
+			case err == nil && !was && b.role == "prefill":
 				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()),
 					zap.Int64("bootstrap_port", b.bootstrapPort.Load()))
+			case err == nil && !was:
+				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()))
 			}
 		}(b)
 	}
@@ -159,13 +225,22 @@ func b2f(b bool) float64 {
 	return 0
 }
 
-// pick chooses a healthy backend by the policy.
-func (l *LB) pick(bs []*backend) *backend {
-	var ok []*backend
+// pick chooses a usable backend other than not by the policy, among those
+// with room if any has room.
+func (l *LB) pick(bs []*backend, not *backend) *backend {
+	var roomy, full []*backend
 	for _, b := range bs {
-		if b.healthy.Load() && (b.role != "prefill" || b.bootstrapPort.Load() > 0) {
-			ok = append(ok, b)
+		switch {
+		case b == not || !b.usable():
+		case b.load.Load().full():
+			full = append(full, b)
+		default:
+			roomy = append(roomy, b)
 		}
+	}
+	ok := roomy
+	if len(ok) == 0 {
+		ok = full
 	}
 	if len(ok) == 0 {
 		return nil
@@ -205,7 +280,7 @@ func (l *LB) Handler() http.Handler {
 }
 
 func (l *LB) handleHealth(w http.ResponseWriter, r *http.Request) {
-	if l.pick(l.prefill) == nil || l.pick(l.decode) == nil {
+	if l.pick(l.prefill, nil) == nil || l.pick(l.decode, nil) == nil {
 		writeError(w, http.StatusServiceUnavailable, "no healthy prefill/decode pair")
 		return
 	}
@@ -218,11 +293,14 @@ func (l *LB) handleInfo(w http.ResponseWriter, r *http.Request) {
 		Healthy       bool   `json:"healthy"`
 		Inflight      int64  `json:"inflight"`
 		BootstrapPort int64  `json:"bootstrap_port,omitempty"`
+		Full          bool   `json:"full"`
+		Load          *load  `json:"load,omitempty"`
 	}
 	list := func(bs []*backend) []srv {
 		var out []srv
 		for _, b := range bs {
-			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load()})
+			ld := b.load.Load()
+			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load(), ld.full(), ld})
 		}
 		return out
 	}
@@ -231,13 +309,15 @@ func (l *LB) handleInfo(w http.ResponseWriter, r *http.Request) {
 }
 
 func (l *LB) proxyGet(w http.ResponseWriter, r *http.Request) {
-	b := l.pick(l.decode)
+	b := l.pick(l.decode, nil)
 	if b == nil {
 		l.m.requests.WithLabelValues("503").Inc()
 		writeError(w, http.StatusServiceUnavailable, "no healthy decode server")
 		return
 	}
-	req, _ := http.NewRequestWithContext(r.Context(), http.MethodGet, b.endpoint(r.URL.RequestURI()), nil)
+	ctx, cancel := context.WithTimeout(r.Context(), l.cfg.UpstreamIdleTimeout)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.endpoint(r.URL.RequestURI()), nil)
 	resp, err := l.client.Do(req)
 	if err != nil {
 		writeError(w, http.StatusBadGateway, fmt.Sprintf("decode server %s: %v", b, err))
@@ -246,12 +326,16 @@ func (l *LB) proxyGet(w http.ResponseWriter, r *http.Request) {
 	defer resp.Body.Close()
 	copyHeader(w.Header(), resp.Header)
 	w.WriteHeader(resp.StatusCode)
-	io.Copy(w, resp.Body)
+	io.Copy(w, io.LimitReader(resp.Body, 16<<20))
 }
 
 // prefillDrain bounds how long a prefill answer may keep streaming after
 // its request succeeded.
 const prefillDrain = 30 * time.Second
+
+// statusClientClosed is the status counted (never sent) for a request whose
+// client went away.
+const statusClientClosed = 499
 
 func newRoom() uint64 {
 	var b [8]byte
@@ -260,8 +344,8 @@ func newRoom() uint64 {
 }
 
 // handleGenerate sends one request to a (prefill, decode) pair and streams
-// the decode server's answer back. If the prefill server fails first, its
-// error goes to the client and the decode request is canceled.
+// the decode server's answer back. A pair that fails before anything reached
+// the client is replaced once (see generate).
 func (l *LB) handleGenerate(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	code := l.generate(w, r)
@@ -269,6 +353,11 @@ func (l *LB) handleGenerate(w http.ResponseWriter, r *http.Request) {
 	l.m.seconds.Observe(time.Since(start).Seconds())
 }
 
+// generate runs the request on a pair; when the attempt fails before any
+// byte reached the client and another pair may do better (a server
+// unreachable, a 5xx other than 504, overloaded), it runs once more on a
+// pair without the server that failed. The client then gets the second
+// attempt's outcome; its error names both causes.
 func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	body, err := readBody(w, r, l.cfg.MaxBodyBytes)
 	if err != nil {
@@ -278,14 +367,110 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 		}
 		return writeError(w, http.StatusBadRequest, "reading request body: "+err.Error())
 	}
-	p, d := l.pick(l.prefill), l.pick(l.decode)
+	req, err := parseRequest(body)
+	if err != nil {
+		return writeError(w, http.StatusBadRequest, err.Error())
+	}
+	p, d := l.pick(l.prefill, nil), l.pick(l.decode, nil)
 	if p == nil || d == nil {
 		return writeError(w, http.StatusServiceUnavailable, "no healthy prefill/decode pair")
 	}
+	code, first := l.attempt(w, r, req, p, d)
+	if first == nil {
+		return code
+	}
+	if r.Context().Err() != nil {
+		return statusClientClosed
+	}
+	if !first.retry {
+		return first.write(w)
+	}
+	if first.role == "prefill" {
+		p = l.pick(l.prefill, p)
+	} else {
+		d = l.pick(l.decode, d)
+	}
+	if p == nil || d == nil { // no other pair: the first failure stands
+		return first.write(w)
+	}
+	l.m.retries.WithLabelValues(first.role, first.cause).Inc()
+	l.lg.Warn("retrying on another pair", zap.String("role", first.role), zap.String("cause", first.cause), zap.String("error", first.msg))
+	code, f := l.attempt(w, r, req, p, d)
+	if f == nil {
+		return code
+	}
+	if f.raw == nil {
+		f.msg += "; first attempt: " + first.msg
+	}
+	return f.write(w)
+}
+
+// failure is an attempt that failed before anything was written to the
+// client.
+type failure struct {
+	code  int    // status for the client
+	msg   string // names the server and the cause
+	raw   []byte // a server's own 4xx error body, passed on as is
+	role  string // the side that failed: prefill or decode
+	cause string // metric label: unreachable, overloaded, error, rejected, idle
+	retry bool   // another pair may do better
+}
+
+func (f *failure) write(w http.ResponseWriter) int {
+	if f.raw != nil {
+		return writeRaw(w, f.code, f.raw)
+	}
+	return writeError(w, f.code, f.msg)
+}
+
+// connFailure is a server that did not answer.
+func connFailure(b *backend, err error) *failure {
+	return &failure{code: http.StatusBadGateway, msg: fmt.Sprintf("%s server %s: %v", b.role, b, err), role: b.role, cause: "unreachable", retry: true}
+}
+
+// upstreamFailure reads a server's error answer (status >= 400).
+func upstreamFailure(b *backend, resp *http.Response) *failure {
+	raw, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	var e struct {
+		Error struct {
+			Message string  `json:"message"`
+			Param   *string `json:"param"`
+		} `json:"error"`
+	}
+	msg := strings.TrimSpace(string(raw))
+	if json.Unmarshal(raw, &e) == nil && e.Error.Message != "" {
+		msg = e.Error.Message
+	}
+	f := &failure{role: b.role, msg: fmt.Sprintf("%s server %s answered %d: %s", b.role, b, resp.StatusCode, msg)}
+	switch code := resp.StatusCode; {
+	case code < 500 && e.Error.Param != nil && strings.HasPrefix(*e.Error.Param, "bootstrap_"):
+		// The bootstrap fields are the LB's: its fault, not the client's.
+		f.code, f.cause, f.retry = http.StatusBadGateway, "rejected", true
+		f.msg = fmt.Sprintf("%s server %s refused the LB's bootstrap fields (do the LB and the servers share the cluster secret?): %s", b.role, b, msg)
+	case code < 500: // the client's error: pass it on
+		f.code, f.raw, f.cause = code, raw, "client"
+	case code == http.StatusServiceUnavailable:
+		f.code, f.cause, f.retry = code, "overloaded", true
+	case code == http.StatusGatewayTimeout: // its time bound passed already
+		f.code, f.cause = code, "timeout"
+	case code == http.StatusBadGateway && b.role == "decode":
+		// The decode's own upstream, the prefill, failed it: replace that.
+		f.code, f.role, f.cause, f.retry = code, "prefill", "unreachable", true
+	default:
+		f.code, f.cause, f.retry = http.StatusBadGateway, "error", true
+	}
+	return f
+}
+
+// attempt runs the request on the pair (p, d). It returns the status sent
+// to the client, or a failure when nothing was sent.
+func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d *backend) (int, *failure) {
 	room := newRoom()
-	body, err = inject(body, p.url.Hostname(), p.bootstrapPort.Load(), room)
-	if err != nil {
-		return writeError(w, http.StatusBadRequest, err.Error())
+	host, port := p.url.Hostname(), p.bootstrapPort.Load()
+	body := req.with(host, port, room)
+	var vouch string
+	if !l.cfg.Secret.IsZero() {
+		vouch = voucher.Sign(l.cfg.Secret, voucher.Fields{Host: host, Port: int(port), Room: room}, time.Now())
 	}
 	lg := l.lg.With(zap.Uint64("room", room), zap.String("prefill", p.String()), zap.String("decode", d.String()))
 
@@ -317,25 +502,26 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	send := func(ctx context.Context, b *backend) chan result {
 		ch := make(chan result, 1)
 		go func() {
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.endpoint(r.URL.Path), bytes.NewReader(body))
-			req.Header.Set("Content-Type", "application/json")
-			resp, err := l.client.Do(req)
+			hreq, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.endpoint(r.URL.Path), bytes.NewReader(body))
+			hreq.Header.Set("Content-Type", "application/json")
+			if vouch != "" {
+				hreq.Header.Set(voucher.Header, vouch)
+			}
+			resp, err := l.client.Do(hreq)
 			ch <- result{resp, err}
 		}()
 		return ch
 	}
+	wd := l.watch(d, req.stream, cancel)
+	defer wd.stop()
 	pc, dc := send(pctx, p), send(ctx, d)
 	// Drain the prefill answer; if it fails before decode answers, report it.
-	type failure struct {
-		code int
-		body []byte
-	}
-	prefillFailed := make(chan failure, 1)
+	prefillFailed := make(chan *failure, 1)
 	go func() {
 		res := <-pc
 		if res.err != nil {
 			if pctx.Err() == nil {
-				prefillFailed <- failure{http.StatusBadGateway, errorBody(fmt.Sprintf("prefill server %s: %v", p, res.err))}
+				prefillFailed <- connFailure(p, res.err)
 			}
 			return
 		}
@@ -344,42 +530,53 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 			io.Copy(io.Discard, res.resp.Body)
 			return
 		}
-		b, _ := io.ReadAll(io.LimitReader(res.resp.Body, 1<<20))
-		code := res.resp.StatusCode // a 4xx is the client's error: pass it on
-		if code >= 500 {
-			code = http.StatusBadGateway
-		}
-		prefillFailed <- failure{code, b}
+		prefillFailed <- upstreamFailure(p, res.resp)
 	}()
 	var dres result
 	select {
 	case dres = <-dc:
 	case f := <-prefillFailed:
 		cancel()
-		lg.Warn("prefill failed; decode request canceled", zap.Int("code", f.code), zap.ByteString("error", f.body))
-		return writeRaw(w, f.code, f.body)
+		lg.Warn("prefill failed; decode request canceled", zap.Int("code", f.code), zap.String("error", f.msg))
+		return 0, f
 	}
 	if dres.err != nil {
+		switch {
+		case wd.fired.Load():
+			l.m.idle.WithLabelValues("before_response").Inc()
+			lg.Warn("decode answered nothing in time; canceled", zap.String("bound", wd.what()))
+			return 0, &failure{code: http.StatusGatewayTimeout, role: "decode", cause: "idle",
+				msg: fmt.Sprintf("decode server %s answered nothing: %s", d, wd.what())}
+		case r.Context().Err() != nil:
+			return statusClientClosed, nil
+		}
 		select {
 		case f := <-prefillFailed:
-			return writeRaw(w, f.code, f.body)
+			return 0, f
 		default:
 		}
 		lg.Warn("decode request failed", zap.Error(dres.err))
-		return writeError(w, http.StatusBadGateway, fmt.Sprintf("decode server %s: %v", d, dres.err))
+		return 0, connFailure(d, dres.err)
 	}
 	defer dres.resp.Body.Close()
+	if dres.resp.StatusCode >= 400 {
+		f := upstreamFailure(d, dres.resp)
+		lg.Warn("decode failed", zap.Int("code", dres.resp.StatusCode), zap.String("error", f.msg))
+		return 0, f
+	}
 	copyHeader(w.Header(), dres.resp.Header)
 	w.WriteHeader(dres.resp.StatusCode)
 	fl, _ := w.(http.Flusher)
+	stream := strings.HasPrefix(dres.resp.Header.Get("Content-Type"), "text/event-stream")
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)
 	buf := *bp
 	for {
 		n, err := dres.resp.Body.Read(buf)
 		if n > 0 {
+			wd.kick()
 			if _, werr := w.Write(buf[:n]); werr != nil {
-				return dres.resp.StatusCode // client went away; ctx cancels both sides
+				return dres.resp.StatusCode, nil // client went away; ctx cancels both sides
 			}
 			if fl != nil {
 				fl.Flush()
@@ -388,21 +585,89 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 		if err == nil {
 			continue
 		}
-		if err != io.EOF && r.Context().Err() == nil {
-			// The decode server died mid-response. A stream ends with an
-			// error event and no [DONE], as the HTTP contract says.
+		var cause string
+		code := http.StatusBadGateway
+		switch {
+		case err == io.EOF:
+			succeeded = true
+			return dres.resp.StatusCode, nil
+		case wd.fired.Load():
+			l.m.idle.WithLabelValues("mid_response").Inc()
+			code, cause = http.StatusGatewayTimeout, fmt.Sprintf("decode server %s stalled mid-stream: %s", d, wd.what())
+			lg.Warn("decode stalled mid-stream; ended", zap.String("bound", wd.what()))
+		case r.Context().Err() != nil:
+			return statusClientClosed, nil
+		default:
+			cause = fmt.Sprintf("decode server %s failed mid-stream: %v", d, err)
 			lg.Warn("decode response broke off", zap.Error(err))
-			if strings.HasPrefix(dres.resp.Header.Get("Content-Type"), "text/event-stream") {
-				fmt.Fprintf(w, "data: %s\n\n", errorBody(fmt.Sprintf("decode server %s failed mid-stream: %v", d, err)))
-				if fl != nil {
-					fl.Flush()
-				}
-			}
-			return http.StatusBadGateway
 		}
-		succeeded = dres.resp.StatusCode < 400
-		return dres.resp.StatusCode
+		// A stream ends with an error event and no [DONE], as the HTTP
+		// contract says.
+		if stream {
+			fmt.Fprintf(w, "data: %s\n\n", errorBody(code, cause))
+			if fl != nil {
+				fl.Flush()
+			}
+		}
+		return code, nil
 	}
+}
+
+// watchdog cancels an upstream request that shows no sign of life for the
+// idle timeout: on a stream, no bytes; on an answer sent whole, no bytes
+// and no passed health check of its server.
+type watchdog struct {
+	idle   time.Duration
+	whole  *backend // nil for a stream
+	last   atomic.Int64
+	fired  atomic.Bool
+	cancel context.CancelFunc
+	mu     sync.Mutex
+	t      *time.Timer
+}
+
+func (l *LB) watch(b *backend, stream bool, cancel context.CancelFunc) *watchdog {
+	wd := &watchdog{idle: l.cfg.UpstreamIdleTimeout, cancel: cancel}
+	if !stream {
+		wd.whole = b
+	}
+	wd.kick()
+	wd.mu.Lock()
+	defer wd.mu.Unlock()
+	wd.t = time.AfterFunc(wd.idle, wd.check)
+	return wd
+}
+
+// kick records a sign of life.
+func (wd *watchdog) kick() { wd.last.Store(time.Now().UnixNano()) }
+
+func (wd *watchdog) check() {
+	since := wd.last.Load()
+	if wd.whole != nil {
+		since = max(since, wd.whole.lastOK.Load())
+	}
+	if rest := time.Duration(since + int64(wd.idle) - time.Now().UnixNano()); rest > 0 {
+		wd.mu.Lock()
+		wd.t.Reset(rest)
+		wd.mu.Unlock()
+		return
+	}
+	wd.fired.Store(true)
+	wd.cancel()
+}
+
+func (wd *watchdog) stop() {
+	wd.mu.Lock()
+	defer wd.mu.Unlock()
+	wd.t.Stop()
+}
+
+// what says which bound passed.
+func (wd *watchdog) what() string {
+	if wd.whole != nil {
+		return fmt.Sprintf("no bytes and no passed health check for %v (--upstream-idle-timeout)", wd.idle)
+	}
+	return fmt.Sprintf("no bytes for %v (--upstream-idle-timeout)", wd.idle)
 }
 
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, 32<<10); return &b }}
@@ -429,14 +694,21 @@ func copyHeader(dst, src http.Header) {
 	}
 }
 
-func errorBody(msg string) []byte {
-	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": "upstream_error", "code": http.StatusBadGateway}})
+func errorBody(code int, msg string) []byte {
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": errorType(code), "code": code}})
 	return b
+}
+
+func errorType(code int) string {
+	if code >= 500 {
+		return "server_error"
+	}
+	return "invalid_request_error"
 }
 
 func writeRaw(w http.ResponseWriter, code int, b []byte) int {
 	if !json.Valid(b) {
-		b = errorBody(string(b))
+		b = errorBody(code, string(b))
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
@@ -452,9 +724,5 @@ func writeJSON(w http.ResponseWriter, code int, v any) int {
 }
 
 func writeError(w http.ResponseWriter, code int, msg string) int {
-	typ := "invalid_request_error"
-	if code >= 500 {
-		typ = "server_error"
-	}
-	return writeJSON(w, code, map[string]any{"error": map[string]any{"message": msg, "type": typ, "code": code}})
+	return writeJSON(w, code, map[string]any{"error": map[string]any{"message": msg, "type": errorType(code), "code": code}})
 }

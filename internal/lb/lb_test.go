@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -26,7 +27,11 @@ type fakeServer struct {
 	fail    atomic.Bool // answer /generate with 400
 	mu      sync.Mutex
 	bodies  []map[string]any
+	headers []http.Header
 	release chan struct{} // decode waits for it before answering, if set
+	// gen, if set, answers /generate after the body was recorded.
+	gen  func(w http.ResponseWriter, r *http.Request)
+	load atomic.Pointer[map[string]any] // added to /get_server_info
 }
 
 func newFake(t *testing.T, mode string) *fakeServer {
@@ -39,13 +44,22 @@ func newFake(t *testing.T, mode string) *fakeServer {
 		switch r.URL.Path {
 		case "/health":
 		case "/get_server_info":
-			json.NewEncoder(w).Encode(map[string]any{"disaggregation_mode": f.mode, "bootstrap_port": 9123})
-		case "/generate":
+			info := map[string]any{"disaggregation_mode": f.mode, "bootstrap_port": 9123}
+			if l := f.load.Load(); l != nil {
+				maps.Copy(info, *l)
+			}
+			json.NewEncoder(w).Encode(info)
+		case "/generate", "/v1/completions":
 			var m map[string]any
 			json.NewDecoder(r.Body).Decode(&m)
 			f.mu.Lock()
 			f.bodies = append(f.bodies, m)
+			f.headers = append(f.headers, r.Header.Clone())
 			f.mu.Unlock()
+			if f.gen != nil {
+				f.gen(w, r)
+				return
+			}
 			if f.fail.Load() {
 				w.WriteHeader(http.StatusBadRequest)
 				w.Write([]byte(`{"error":{"message":"prompt is empty","type":"invalid_request_error","code":400}}`))
@@ -87,7 +101,7 @@ func startLB(t *testing.T, cfg Config) (*LB, *httptest.Server, *prometheus.Regis
 	reg := prometheus.NewRegistry()
 	cfg.Registerer, cfg.Gatherer = reg, reg
 	if cfg.HealthInterval == 0 {
-		cfg.HealthInterval = 50 * time.Millisecond
+		cfg.HealthInterval = 100 * time.Millisecond
 	}
 	l, err := New(cfg)
 	if err != nil {
@@ -97,6 +111,15 @@ func startLB(t *testing.T, cfg Config) (*LB, *httptest.Server, *prometheus.Regis
 	done := make(chan struct{})
 	go func() { l.Run(ctx); close(done) }()
 	<-l.Ready()
+	// A check may time out on a loaded machine (-race): wait for them all.
+	waitFor(t, 5*time.Second, func() bool {
+		for _, b := range append(append([]*backend{}, l.prefill...), l.decode...) {
+			if !b.usable() {
+				return false
+			}
+		}
+		return true
+	})
 	srv := httptest.NewServer(l.Handler())
 	t.Cleanup(func() { srv.Close(); cancel(); <-done })
 	return l, srv, reg
@@ -168,7 +191,7 @@ func TestPrefillErrorCancelsDecode(t *testing.T) {
 func TestUnhealthyServerSkippedThenRecovers(t *testing.T) {
 	p := newFake(t, "prefill")
 	d1, d2 := newFake(t, "decode"), newFake(t, "decode")
-	interval := 50 * time.Millisecond
+	interval := 100 * time.Millisecond
 	l, srv, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d1.URL, d2.URL}, Policy: "round_robin", HealthInterval: interval})
 	d1.down.Store(true)
 	waitFor(t, 2*interval+time.Second, func() bool { return !l.decode[0].healthy.Load() })
@@ -209,7 +232,8 @@ func TestBadInput(t *testing.T) {
 		t.Fatalf("oversize: %d", code)
 	}
 	for _, c := range []Config{{Decode: []string{"http://x"}}, {Prefill: []string{"http://x"}}, {Prefill: []string{"ftp://x"}, Decode: []string{"http://y"}},
-		{Prefill: []string{"http://x"}, Decode: []string{"http://y"}, Policy: "fastest"}} {
+		{Prefill: []string{"http://x"}, Decode: []string{"http://y"}, Policy: "fastest"},
+		{Prefill: []string{"http://h%C3%A9/"}, Decode: []string{"http://y"}}} {
 		if _, err := New(c); err == nil || !strings.Contains(err.Error(), "--") {
 			t.Fatalf("config %+v: error %v does not name the flag", c, err)
 		}
@@ -239,6 +263,8 @@ func TestDecodeDiesMidStream(t *testing.T) {
 		switch r.URL.Path {
 		case "/health":
 			return
+		case "/get_server_info":
+			w.Write([]byte(`{"disaggregation_mode":"decode"}`))
 		case "/generate":
 			w.Header().Set("Content-Type", "text/event-stream")
 			w.Write([]byte("data: {\"text\":\"a\"}\n\n"))

@@ -6,6 +6,8 @@ type metrics struct {
 	requests *prometheus.CounterVec
 	seconds  prometheus.Histogram
 	healthy  *prometheus.GaugeVec
+	retries  *prometheus.CounterVec
+	idle     *prometheus.CounterVec
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -20,9 +22,15 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		healthy: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "mooncake_lb_backend_healthy", Help: "1 if the server passed its last health check.",
 		}, []string{"role", "url"}),
+		retries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_lb_retries_total", Help: "Requests sent again to another pair, by the side that failed first and why (unreachable, overloaded, error, rejected).",
+		}, []string{"role", "cause"}),
+		idle: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_lb_upstream_idle_timeouts_total", Help: "Decode answers ended by --upstream-idle-timeout, before the response started or in the middle of it.",
+		}, []string{"stage"}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.seconds, m.healthy)
+		reg.MustRegister(m.requests, m.seconds, m.healthy, m.retries, m.idle)
 	}
 	return m
 }

@@ -167,7 +167,7 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request) {
 		rn.fail(w, e)
 		return
 	}
-	if e := rn.submit(r.Context(), req, sp.boot, maxZero); e != nil {
+	if e := rn.submit(r.Context(), r.Header, req, sp.boot, maxZero); e != nil {
 		rn.fail(w, e)
 		return
 	}

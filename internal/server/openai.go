@@ -428,7 +428,7 @@ func (s *Server) openaiPrepare(r *http.Request, rn *run, o *openaiSpec) *Error {
 	if e != nil {
 		return e
 	}
-	return rn.submit(r.Context(), req, o.boot, maxZero)
+	return rn.submit(r.Context(), r.Header, req, o.boot, maxZero)
 }
 
 func (s *Server) modelOf(o *openaiSpec) string {

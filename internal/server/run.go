@@ -53,14 +53,20 @@ func (s *Server) begin(endpoint string) *run {
 }
 
 // submit prepares disaggregation and submits req. maxZero requests finish at
-// once with no output.
-func (rn *run) submit(ctx context.Context, req *engine.Request, boot *Bootstrap, maxZero bool) *Error {
+// once with no output. h is the request's header, which carries the LB's
+// voucher for boot.
+func (rn *run) submit(ctx context.Context, h http.Header, req *engine.Request, boot *Bootstrap, maxZero bool) *Error {
 	rn.req = req
 	if req.ID == "" {
 		req.ID = newID("")
 	}
 	if boot != nil {
 		req.Room = boot.Room
+	}
+	if e := rn.s.admit(h, boot, req.ID); e != nil {
+		return e
+	}
+	if boot != nil {
 		// Zero new tokens need no KV on either side: both answer at once,
 		// so no room is opened that the other side would never join.
 		if p := rn.s.cfg.PrepareDisagg; p != nil && !maxZero {

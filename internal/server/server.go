@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/lb/voucher"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
@@ -116,6 +117,9 @@ type Config struct {
 	// request: an *Error keeps its status, engine sentinels map as Submit's
 	// errors do, anything else is a 500.
 	PrepareDisagg func(ctx context.Context, req *engine.Request, b Bootstrap) error
+	// Vouchers says which requests a prefill or decode server serves: by
+	// default those of the load balancer, with its voucher.
+	Vouchers VoucherPolicy
 }
 
 // Validate reports a configuration the server cannot run with.
@@ -137,6 +141,9 @@ func (c *Config) Validate() error {
 	if c.MaxBodyBytes < 0 {
 		return fmt.Errorf("server: negative MaxBodyBytes %d", c.MaxBodyBytes)
 	}
+	if (c.Mode == ModePrefill || c.Mode == ModeDecode) && c.Vouchers.Secret.IsZero() && !c.Vouchers.AllowUnsigned {
+		return fmt.Errorf("server: a %s server needs Vouchers.Secret to check the load balancer's vouchers (or Vouchers.AllowUnsigned)", c.Mode)
+	}
 	return nil
 }
 
@@ -147,6 +154,8 @@ type Server struct {
 	mux     *http.ServeMux
 	metrics *metrics
 	created int64 // unix seconds, reported as the model's "created"
+
+	vouchers *voucher.Checker // nil: not checked
 }
 
 // New checks cfg, fills in its defaults and registers the server's metrics.
@@ -186,6 +195,7 @@ func New(cfg Config) (*Server, error) {
 		metrics: m,
 		created: time.Now().Unix(),
 	}
+	s.vouchers = newVoucherChecker(&s.cfg, s.lg)
 	s.routes()
 	return s, nil
 }

@@ -514,7 +514,9 @@ func TestPrepareDisagg(t *testing.T) {
 		}
 		return nil
 	}
-	ts, _ := newServer(t, server.Config{Generator: gen, Mode: server.ModeDecode, PrepareDisagg: prep})
+	// Fields by hand, and a direct request: as behind another router.
+	ts, _ := newServer(t, server.Config{Generator: gen, Mode: server.ModeDecode, PrepareDisagg: prep,
+		Vouchers: server.VoucherPolicy{AllowUnsigned: true, AllowDirect: true}})
 	body := `{"text": "Hi", "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 9223372036854775807}`
 	if status, b := post(t, ts.URL+"/generate", body); status != 200 {
 		t.Fatalf("status %d: %s", status, b)
@@ -541,6 +543,7 @@ func TestInfoEndpoints(t *testing.T) {
 	core, logs := observer.New(zap.InfoLevel)
 	ts, _ := newServer(t, server.Config{
 		ModelName: "served", ModelPath: "/m/stories", RandomWeights: true, ContextLen: 512, Mode: server.ModePrefill,
+		Vouchers: server.VoucherPolicy{AllowUnsigned: true, AllowDirect: true}, // direct /generate below
 		Info:     func() map[string]any { return map[string]any{"bootstrap_port": 8998} },
 		Gatherer: reg, Registerer: reg, Logger: zap.New(core),
 	})

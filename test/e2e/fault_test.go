@@ -26,11 +26,11 @@ type faultPD struct {
 	pFree, dFree int
 }
 
-func newFaultPD(t *testing.T, pArgs []string) *faultPD {
+func newFaultPD(t *testing.T, pArgs []string, dArgs ...string) *faultPD {
 	t.Helper()
 	base := []string{"--page-size", "16", "--max-total-tokens", "8192"}
 	p := serve(t, serveOpts{name: "prefill", mode: "prefill", args: append(append([]string{}, base...), pArgs...)})
-	d := serve(t, serveOpts{name: "decode", mode: "decode", args: base})
+	d := serve(t, serveOpts{name: "decode", mode: "decode", args: append(append([]string{}, base...), dArgs...)})
 	l := lb(t, "lb", []*server{p}, []*server{d})
 	return &faultPD{p: p, d: d, l: l, pFree: p.freePages(t), dFree: d.freePages(t)}
 }
@@ -258,8 +258,11 @@ func TestFaultDecodeKilledMidStream(t *testing.T) {
 // TestFaultNoLB drives prefill and decode directly, as the LB would, so
 // nobody cancels the surviving side for it: it must notice the dead peer
 // by itself (decode: heartbeats to the bootstrap server; prefill: the
-// failed transfer or notification) and release the room's pages.
+// failed transfer or notification) and release the room's pages. The
+// servers take the hand-made bootstrap fields as behind another router
+// (--allow-unsigned-bootstrap).
 func TestFaultNoLB(t *testing.T) {
+	unsigned := "--allow-unsigned-bootstrap"
 	direct := func(c *faultPD, room int) map[string]any {
 		b := longBody(false)
 		b["bootstrap_host"] = "127.0.0.1"
@@ -268,7 +271,7 @@ func TestFaultNoLB(t *testing.T) {
 		return b
 	}
 	t.Run("prefill killed, decode notices", func(t *testing.T) {
-		c := newFaultPD(t, []string{"--chunked-prefill-size", "64"})
+		c := newFaultPD(t, []string{"--chunked-prefill-size", "64", unsigned}, unsigned)
 		body := direct(c, 4242)
 		dreq := send(t, c.d.url, body)
 		preq := send(t, c.p.url, body)
@@ -284,7 +287,7 @@ func TestFaultNoLB(t *testing.T) {
 		c.d.waitFreePages(t, c.dFree, requestBound)
 	})
 	t.Run("decode killed, prefill notices", func(t *testing.T) {
-		c := newFaultPD(t, []string{"--chunked-prefill-size", "64", "--disaggregation-transfer-backend", "tcp"})
+		c := newFaultPD(t, []string{"--chunked-prefill-size", "64", "--disaggregation-transfer-backend", "tcp", unsigned}, unsigned)
 		body := direct(c, 4343)
 		dreq := send(t, c.d.url, body)
 		preq := send(t, c.p.url, body)

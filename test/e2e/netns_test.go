@@ -77,7 +77,7 @@ func TestTwoHosts(t *testing.T) {
 	args := append(append(storiesArgs(shared), pdFlags...), "--cluster-token", "two-hosts-e2e-token")
 	p := serve(t, serveOpts{name: "prefill", mode: "prefill", host: hostIP, args: args})
 	d := serve(t, serveOpts{name: "decode", mode: "decode", host: nsIP, netns: ns, args: args})
-	l := lb(t, "lb", []*server{p}, []*server{d})
+	l := lb(t, "lb", []*server{p}, []*server{d}, "--cluster-token", "two-hosts-e2e-token") // it vouches for the bootstrap fields
 	for _, c := range refs {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		r, err := generate(ctx, l.url, map[string]any{"text": c.Prompt,
