@@ -36,6 +36,9 @@ var _ Generator = (*engine.Engine)(nil)
 // tokenizer.Tokenizer).
 type Tokenizer interface {
 	Encode(text string, addBOS bool) ([]int, error)
+	// EncodeLimit is Encode for at most limit ids (negative: no limit); past it, it
+	// returns a *tokenizer.TooLongError without encoding the rest.
+	EncodeLimit(text string, addBOS bool, limit int) ([]int, error)
 	VocabSize() int
 	BOS() int // -1 if none
 	TokenText(id int) string
@@ -67,6 +70,12 @@ const (
 // DefaultMaxBodyBytes is the request body limit when Config.MaxBodyBytes is 0.
 const DefaultMaxBodyBytes = 8 << 20
 
+// DefaultReadTimeout bounds reading a request when Config.ReadTimeout is 0.
+const DefaultReadTimeout = 30 * time.Second
+
+// headerTimeout bounds reading a request's headers (at most the read timeout).
+const headerTimeout = 10 * time.Second
+
 // DefaultShutdownTimeout is how long Serve waits for requests in flight when
 // its context ends and Config.ShutdownTimeout is 0.
 const DefaultShutdownTimeout = 10 * time.Second
@@ -89,7 +98,11 @@ type Config struct {
 	ContextLen    int    // prompts of this many tokens or more get 400; 0: no check
 	Mode          string // "null" (""), "prefill" or "decode"
 
-	MaxBodyBytes    int64         // 0: DefaultMaxBodyBytes; larger bodies get 413
+	MaxBodyBytes int64 // 0: DefaultMaxBodyBytes; larger bodies get 413
+	// ReadTimeout bounds reading a request, headers and body, from its first byte:
+	// a connection whose request does not arrive in time is closed. It does not
+	// bound the response (a long stream). 0: DefaultReadTimeout.
+	ReadTimeout     time.Duration
 	ShutdownTimeout time.Duration // 0: DefaultShutdownTimeout
 
 	Logger     *zap.Logger           // nil: no logs
@@ -130,6 +143,9 @@ func (c *Config) Validate() error {
 	if c.MaxBodyBytes < 0 {
 		return fmt.Errorf("server: negative MaxBodyBytes %d", c.MaxBodyBytes)
 	}
+	if c.ReadTimeout < 0 {
+		return fmt.Errorf("server: negative ReadTimeout %v", c.ReadTimeout)
+	}
 	return nil
 }
 
@@ -162,6 +178,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.ShutdownTimeout == 0 {
 		cfg.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if cfg.ReadTimeout == 0 {
+		cfg.ReadTimeout = DefaultReadTimeout
+	}
 	if cfg.ChatTemplate == nil {
 		cfg.ChatTemplate = defaultChatTemplate(cfg.Tokenizer)
 	}
@@ -190,10 +209,15 @@ func (s *Server) Handler() http.Handler { return s.mux }
 // accepting, waits up to Config.ShutdownTimeout for requests in flight, then
 // closes the connections that remain (which aborts their requests). It
 // returns nil after a shutdown caused by ctx, or the error that stopped it.
+//
+// A request must arrive whole within Config.ReadTimeout. The handlers lift the
+// connection's read deadline once they have the body (endRead): net/http
+// would otherwise cancel a request still running at the deadline.
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	hs := &http.Server{
 		Handler:           s.mux,
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: min(headerTimeout, s.cfg.ReadTimeout),
+		ReadTimeout:       s.cfg.ReadTimeout,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          zap.NewStdLog(s.lg.Named("http")),
 	}
@@ -224,6 +248,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 func (s *Server) routes() {
 	mux := http.NewServeMux()
 	handle := func(method, path string, h http.HandlerFunc) {
+		if method == http.MethodGet {
+			h = s.bodyless(h)
+		} // POST handlers read the body in accept, then endRead
 		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
 			if r.Method != method && (method != http.MethodGet || r.Method != http.MethodHead) {
 				w.Header().Set("Allow", method)
@@ -244,15 +271,35 @@ func (s *Server) routes() {
 	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
 	handle(http.MethodGet, "/metrics", s.handleMetrics)
 	if s.cfg.Profiling {
-		mux.HandleFunc("/debug/pprof/", pprof.Index)
-		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/", s.bodyless(pprof.Index))
+		mux.HandleFunc("/debug/pprof/profile", s.bodyless(pprof.Profile))
+		mux.HandleFunc("/debug/pprof/trace", s.bodyless(pprof.Trace))
+		mux.HandleFunc("/debug/pprof/symbol", s.bodyless(pprof.Symbol))
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errorf(http.StatusNotFound, "no such endpoint: %s %s", r.Method, r.URL.Path))
 	})
 	s.mux = mux
+}
+
+// bodyless wraps a handler that reads no body: it discards any (under the read
+// deadline and the body limit), then lifts the deadline, so that a slow
+// handler (/health_generate, a profile) is not cancelled by it.
+func (s *Server) bodyless(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if _, e := readBody(w, r, s.cfg.MaxBodyBytes); e != nil {
+			writeError(w, e)
+			return
+		}
+		endRead(w)
+		h(w, r)
+	}
+}
+
+// endRead lifts the connection's read deadline once a request's body is read:
+// what follows, the response, may take longer than Config.ReadTimeout.
+func endRead(w http.ResponseWriter) {
+	_ = http.NewResponseController(w).SetReadDeadline(time.Time{}) // not supported by recorders: nothing to lift
 }
 
 func defaultChatTemplate(t Tokenizer) func([]ChatMessage) (string, error) {
