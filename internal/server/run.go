@@ -230,7 +230,6 @@ func accept[T any](s *Server, w http.ResponseWriter, r *http.Request, rn *run, d
 		rn.fail(w, e)
 		return zero, false
 	}
-	endRead(w)
 	v, e := decode(body)
 	if e != nil {
 		rn.fail(w, e)

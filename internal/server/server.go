@@ -210,9 +210,9 @@ func (s *Server) Handler() http.Handler { return s.mux }
 // closes the connections that remain (which aborts their requests). It
 // returns nil after a shutdown caused by ctx, or the error that stopped it.
 //
-// A request must arrive whole within Config.ReadTimeout. The handlers lift the
-// connection's read deadline once they have the body (endRead): net/http
-// would otherwise cancel a request still running at the deadline.
+// A request must arrive whole within Config.ReadTimeout; net/http lifts the
+// read deadline once it has (it starts its background read), so a response
+// may take longer (TestReadTimeout).
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	hs := &http.Server{
 		Handler:           s.mux,
@@ -248,9 +248,6 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 func (s *Server) routes() {
 	mux := http.NewServeMux()
 	handle := func(method, path string, h http.HandlerFunc) {
-		if method == http.MethodGet {
-			h = s.bodyless(h)
-		} // POST handlers read the body in accept, then endRead
 		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
 			if r.Method != method && (method != http.MethodGet || r.Method != http.MethodHead) {
 				w.Header().Set("Allow", method)
@@ -271,35 +268,15 @@ func (s *Server) routes() {
 	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
 	handle(http.MethodGet, "/metrics", s.handleMetrics)
 	if s.cfg.Profiling {
-		mux.HandleFunc("/debug/pprof/", s.bodyless(pprof.Index))
-		mux.HandleFunc("/debug/pprof/profile", s.bodyless(pprof.Profile))
-		mux.HandleFunc("/debug/pprof/trace", s.bodyless(pprof.Trace))
-		mux.HandleFunc("/debug/pprof/symbol", s.bodyless(pprof.Symbol))
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	}
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, errorf(http.StatusNotFound, "no such endpoint: %s %s", r.Method, r.URL.Path))
 	})
 	s.mux = mux
-}
-
-// bodyless wraps a handler that reads no body: it discards any (under the read
-// deadline and the body limit), then lifts the deadline, so that a slow
-// handler (/health_generate, a profile) is not cancelled by it.
-func (s *Server) bodyless(h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		if _, e := readBody(w, r, s.cfg.MaxBodyBytes); e != nil {
-			writeError(w, e)
-			return
-		}
-		endRead(w)
-		h(w, r)
-	}
-}
-
-// endRead lifts the connection's read deadline once a request's body is read:
-// what follows, the response, may take longer than Config.ReadTimeout.
-func endRead(w http.ResponseWriter) {
-	_ = http.NewResponseController(w).SetReadDeadline(time.Time{}) // not supported by recorders: nothing to lift
 }
 
 func defaultChatTemplate(t Tokenizer) func([]ChatMessage) (string, error) {
