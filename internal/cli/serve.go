@@ -36,6 +36,8 @@ type serveFlags struct {
 	baseGPU, tpSize, pageSize            int
 	memFraction                          float64
 	maxTotalTokens, maxRunning, chunked  int
+	maxQueued                            int
+	readTimeout                          time.Duration
 	threads                              int
 	disaggTimeout                        time.Duration
 	pushByLayer                          bool
@@ -79,6 +81,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.Float64Var(&f.memFraction, "mem-fraction-static", 0, "share of the device memory for weights + KV pool (cuda)")
 	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu default: 32768, at most a quarter of RAM; cuda default: from --mem-fraction-static)")
 	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
+	fl.IntVar(&f.maxQueued, "max-queued-requests", engine.DefaultMaxQueue, "requests waiting for admission; beyond them requests get 503 with Retry-After")
+	fl.DurationVar(&f.readTimeout, "http-read-timeout", server.DefaultReadTimeout, "bound on reading an HTTP request, headers and body (not on its response)")
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
@@ -117,6 +121,12 @@ func (f *serveFlags) validate() error {
 	}
 	if f.pageSize < 0 || f.maxTotalTokens < 0 || f.threads < 0 {
 		return errors.New("--page-size, --max-total-tokens and --threads must not be negative")
+	}
+	if f.maxQueued < 1 {
+		return fmt.Errorf("--max-queued-requests %d: want at least 1", f.maxQueued)
+	}
+	if f.readTimeout <= 0 {
+		return fmt.Errorf("--http-read-timeout %v: want a positive duration", f.readTimeout)
 	}
 	if f.memFraction < 0 || f.memFraction >= 1 {
 		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
@@ -308,7 +318,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	st.add(func() error { be.shutdown(lg); return nil })
 	layout, ps := be.layout, be.layout.PageSize
 	eng, err := engine.New(engine.Config{
-		Model: be.model, Pages: be.pages, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
+		Model: be.model, Pages: be.pages, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
 		ChunkedPrefillSize: f.chunked, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
@@ -357,7 +367,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	srv, err := server.New(server.Config{
 		Generator: preloadGuard{eng, be.pages}, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
-		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
+		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, ReadTimeout: f.readTimeout, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()
 			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages}
