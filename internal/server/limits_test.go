@@ -175,6 +175,12 @@ func TestPromptTooLong(t *testing.T) {
 	ts2, _ := newServer(t, server.Config{Tokenizer: wordTokenizer{}, ContextLen: 8})
 	status, body := post(t, ts2.URL+"/generate", `{"text": "a b c d e f g h i j"}`)
 	checkError(t, status, body, 400, "the prompt (at least 8 tokens) is longer than the model's context length (8 tokens)")
+	// A word the tokenizer does not merge.
+	status, body = post(t, ts2.URL+"/v1/completions", `{"prompt": "a `+strings.Repeat("z", 100)+`"}`)
+	checkError(t, status, body, 400, "a word of 100 bytes")
+	if p := errParam(t, body); p != "prompt" {
+		t.Fatalf("param %q", p)
+	}
 }
 
 // wordTokenizer is one id per space-separated word, with no length bound.
@@ -182,7 +188,10 @@ type wordTokenizer struct{ servertest.Tokenizer }
 
 func (w wordTokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, error) {
 	var ids []int
-	for range strings.Fields(text) {
+	for _, f := range strings.Fields(text) {
+		if len(f) > 64 {
+			return nil, &tokenizer.WordTooLongError{Bytes: len(f), Limit: 64}
+		}
 		ids = append(ids, 'w')
 		if limit >= 0 && len(ids) > limit {
 			return nil, &tokenizer.TooLongError{Limit: limit, Tokens: len(ids), Bytes: len(text)}

@@ -25,6 +25,7 @@ type hfTokenizer struct {
 	pre          []preStep           // applied in order
 	preByteLevel bool                // a pre-tokenizer is ByteLevel: words are byte-level runes
 	preMixed     bool                // a Metaspace pre-tokenizer comes after a ByteLevel one
+	preRegex     bool                // a pre-tokenizer splits by a regex: EncodeLimit caps words
 	byteLevel    bool                // decoder is ByteLevel
 
 	// Bounds on what one id stands for (see computeBounds); 0: none.
@@ -358,6 +359,7 @@ func (t *hfTokenizer) buildPre(n hfNode) error {
 		if n.Behavior != "Isolated" || n.Invert {
 			return fmt.Errorf("unsupported Split behavior %q invert=%v", n.Behavior, n.Invert)
 		}
+		t.preRegex = true
 		t.pre = append(t.pre, splitStep(sp))
 		return nil
 	case "ByteLevel":
@@ -365,6 +367,7 @@ func (t *hfTokenizer) buildPre(n hfNode) error {
 		useRegex := n.UseRegex == nil || *n.UseRegex
 		gpt2 := knownSplitter(patGPT2)
 		t.preByteLevel = true
+		t.preRegex = t.preRegex || useRegex
 		t.pre = append(t.pre, func(w string, first bool, yield func(string, bool) bool) bool {
 			if addPrefix && first && !strings.HasPrefix(w, " ") {
 				w = " " + w
@@ -568,7 +571,8 @@ func (t *hfTokenizer) Encode(text string, addBOS bool) ([]int, error) {
 
 // EncodeLimit implements Tokenizer. It goes through the text a section and a
 // pre-tokenized word at a time, and checks a word's length against the limit before
-// merging it (the merges of one word are global).
+// merging it (the merges of one word are global). With a limit, a tokenizer that splits
+// words by a regex refuses a word longer than MaxWordBytes.
 func (t *hfTokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, error) {
 	var prefix, suffix []int
 	if addBOS {
@@ -590,15 +594,18 @@ func (t *hfTokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, e
 		}
 		return true
 	}
+	var wordErr error
 	word := func(w string, _ bool) bool {
-		if limit >= 0 && t.maxWordUnits > 0 {
-			units := len(w)
-			if t.preByteLevel {
-				units = utf8.RuneCountInString(w)
-			}
-			if !room(minTokens(units, t.maxWordUnits)) {
-				return false
-			}
+		units := len(w)
+		if t.preByteLevel {
+			units = utf8.RuneCountInString(w)
+		}
+		if limit >= 0 && !room(minTokens(units, t.maxWordUnits)) {
+			return false
+		}
+		if limit >= 0 && t.preRegex && units > MaxWordBytes {
+			wordErr = &WordTooLongError{Bytes: units, Limit: MaxWordBytes}
+			return false
 		}
 		ids = t.model.encodeWord(ids, w)
 		return room(0)
@@ -617,8 +624,11 @@ func (t *hfTokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, e
 		}
 		return t.words(0, s, sec.start == 0, word)
 	})
-	if atLeast > 0 {
+	switch {
+	case atLeast > 0:
 		return nil, &TooLongError{Limit: limit, Tokens: atLeast, Bytes: len(text)}
+	case wordErr != nil:
+		return nil, wordErr
 	}
 	return append(ids, suffix...), nil
 }

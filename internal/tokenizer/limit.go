@@ -26,6 +26,28 @@ func (e *TooLongError) Error() string {
 
 func (e *TooLongError) Unwrap() error { return ErrTooLong }
 
+// MaxWordBytes is the longest pre-tokenized word EncodeLimit (with a limit) merges with
+// a tokenizer that splits words by a regex (Llama 3, Qwen): the merges of a word take about 80 bytes
+// of memory per byte, and text has no words this long (runs of one letter or of spaces
+// do). Tokenizers without such a split (sentencepiece-style) merge a whole section: their
+// bound is the context's length times MaxTokenBytes.
+const MaxWordBytes = 64 << 10
+
+// ErrWordTooLong is the error EncodeLimit's *WordTooLongError wraps.
+var ErrWordTooLong = errors.New("tokenizer: word too long")
+
+// WordTooLongError is EncodeLimit's answer to a text with a word longer than Limit.
+type WordTooLongError struct {
+	Bytes int // the word's length
+	Limit int // MaxWordBytes
+}
+
+func (e *WordTooLongError) Error() string {
+	return fmt.Sprintf("tokenizer: a word of %d bytes (with no break the tokenizer splits at) is longer than the %d it merges", e.Bytes, e.Limit)
+}
+
+func (e *WordTooLongError) Unwrap() error { return ErrWordTooLong }
+
 // minTokens is the fewest ids a text of n bytes can have when one id stands for at most
 // perToken bytes (0: no bound, 0 ids).
 func minTokens(n, perToken int) int {

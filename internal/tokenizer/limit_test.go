@@ -314,3 +314,33 @@ func TestEncodeLimitWord(t *testing.T) {
 		t.Fatalf("allocated %d MiB: the word was merged", alloc>>20)
 	}
 }
+
+// TestMaxWordBytes: with a limit, a tokenizer that splits by a regex refuses a word longer
+// than MaxWordBytes, whatever the limit; one of MaxWordBytes is merged; Encode merges any.
+func TestMaxWordBytes(t *testing.T) {
+	n := 0
+	for _, bt := range boundToks(t) {
+		h, ok := bt.tok.(*hfTokenizer)
+		if !ok || !h.preRegex {
+			continue
+		}
+		n++
+		t.Run(bt.name, func(t *testing.T) {
+			long := "x" + strings.Repeat(" ", MaxWordBytes+2) + "y" // " y" is a word: the spaces before are one more than MaxWordBytes
+			_, err := h.EncodeLimit(long, true, 1<<30)
+			var wl *WordTooLongError
+			if !errors.As(err, &wl) || !errors.Is(err, ErrWordTooLong) || wl.Bytes <= MaxWordBytes {
+				t.Fatalf("EncodeLimit(a word of %d spaces) = %v", MaxWordBytes+1, err)
+			}
+			if _, err := h.EncodeLimit("x"+strings.Repeat(" ", MaxWordBytes+1)+"y", true, 1<<30); err != nil {
+				t.Fatalf("a word of %d: %v", MaxWordBytes, err)
+			}
+			if ids, err := h.Encode(long, true); err != nil || len(ids) == 0 {
+				t.Fatalf("Encode: %v", err)
+			}
+		})
+	}
+	if n == 0 {
+		t.Skip("no regex-splitting tokenizer installed (scripts/npm-fixtures.sh)")
+	}
+}

@@ -27,7 +27,8 @@ type Tokenizer interface {
 	// EncodeLimit is Encode for at most limit ids (those addBOS adds included; a
 	// negative limit is none). A text with more gets a *TooLongError as soon as that is
 	// known: from its length alone when MaxTokenBytes proves it, else once limit+1 ids
-	// are found, without encoding the rest.
+	// are found, without encoding the rest. With a limit, a tokenizer that splits words by
+	// a regex also refuses a word longer than MaxWordBytes (*WordTooLongError).
 	EncodeLimit(text string, addBOS bool, limit int) ([]int, error)
 	// MaxTokenBytes bounds the bytes of text one id stands for: a text of n bytes
 	// encodes to at least ceil(n/MaxTokenBytes) ids (addBOS only adds to them). 0: no
