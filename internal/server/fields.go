@@ -138,8 +138,11 @@ func checkExtra(p string, val json.RawMessage, rules fieldRules, name string) *E
 // field by field, anything else with encoding/json.
 func decodeValue(p string, raw json.RawMessage, fv reflect.Value) *Error {
 	t := fv.Type()
-	custom := t == rawMessageType || reflect.PointerTo(t).Implements(unmarshalerType)
+	custom := reflect.PointerTo(t).Implements(unmarshalerType)
 	switch {
+	case t == rawMessageType:
+		fv.SetBytes(raw) // valid JSON already: no copy, no second scan
+		return nil
 	case custom:
 	case t.Kind() == reflect.Struct:
 		return decodeStruct(p, raw, fv)

@@ -66,7 +66,7 @@ type completionRequest struct {
 
 // openaiExtras are the fields of OpenAI's completion bodies and of SGLang's extensions
 // of them we do not decode.
-var openaiExtras = join(samplingExtras, fieldRules{
+var openaiExtras = mergeRules(samplingExtras, fieldRules{
 	"user":      {info: true},
 	"lora_path": {why: "LoRA adapters"}, "session_params": {why: "sessions"}, "priority": {why: "request priorities"},
 	"custom_logit_processor": {why: "custom logit processors"},
@@ -74,7 +74,7 @@ var openaiExtras = join(samplingExtras, fieldRules{
 	"return_hidden_states":   {accept: []string{"false"}}, "return_routed_experts": {accept: []string{"false"}},
 })
 
-var completionExtras = join(openaiExtras, fieldRules{
+var completionExtras = mergeRules(openaiExtras, fieldRules{
 	"best_of": {accept: []string{"1"}},
 	"echo":    {accept: []string{"false"}},
 	"suffix":  {accept: []string{`""`}, why: "insertion"},
@@ -82,8 +82,8 @@ var completionExtras = join(openaiExtras, fieldRules{
 
 func (*completionRequest) extraFields() fieldRules { return completionExtras }
 
-// join merges rule tables.
-func join(tables ...fieldRules) fieldRules {
+// mergeRules merges rule tables.
+func mergeRules(tables ...fieldRules) fieldRules {
 	out := fieldRules{}
 	for _, t := range tables {
 		for k, v := range t {
@@ -150,7 +150,7 @@ type chatRequest struct {
 	bootstrapFields
 }
 
-var chatExtras = join(openaiExtras, fieldRules{
+var chatExtras = mergeRules(openaiExtras, fieldRules{
 	"tools": {accept: []string{"[]"}}, "tool_choice": {accept: []string{`"none"`, `"auto"`}, why: "tools"},
 	"functions": {accept: []string{"[]"}, why: "tools"}, "function_call": {accept: []string{`"none"`, `"auto"`}, why: "tools"},
 	"parallel_tool_calls": {info: true},
@@ -220,8 +220,12 @@ func decodeContent(p string, raw json.RawMessage) (string, *Error) {
 	}
 	texts := make([]string, 0, len(parts))
 	for i, part := range parts {
-		if part.Type != "text" || part.Text == nil {
-			return "", badRequest(fmt.Sprintf("%s[%d].type", p, i), "%s[%d].type %s is not supported: only text content parts are", p, i, jsonQuote(part.Type))
+		at := fmt.Sprintf("%s[%d]", p, i)
+		switch {
+		case part.Type != "text":
+			return "", badRequest(at+".type", "%s.type %s is not supported: only text content parts are", at, jsonQuote(part.Type))
+		case part.Text == nil:
+			return "", badRequest(at+".text", "%s.text is required", at)
 		}
 		texts = append(texts, *part.Text)
 	}
