@@ -36,6 +36,8 @@ func TestServeFlagErrors(t *testing.T) {
 		{[]string{"--model-path", "/nonexistent/model"}, "--model-path"},
 		{[]string{"--port", "70000"}, "--port"},
 		{[]string{"--cuda-graph-max-bs", "0"}, "--cuda-graph-max-bs 0"},
+		{[]string{"--max-queued-requests", "0"}, "--max-queued-requests"},
+		{[]string{"--http-read-timeout", "0s"}, "--http-read-timeout"},
 	} {
 		_, err := run(t, append([]string{"serve", "--log-level", "error"}, c.args...)...)
 		if err == nil || !strings.Contains(err.Error(), c.flag) {

@@ -37,6 +37,8 @@ type serveFlags struct {
 	baseGPU, tpSize, pageSize            int
 	memFraction                          float64
 	maxTotalTokens, maxRunning, chunked  int
+	maxQueued                            int
+	readTimeout                          time.Duration
 	threads                              int
 	disaggTimeout, maxQueueWait          time.Duration
 	pushByLayer, noRadixCache            bool
@@ -86,6 +88,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.Float64Var(&f.memFraction, "mem-fraction-static", 0, "share of the device memory for weights + KV pool (cuda)")
 	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu default: 32768, at most a quarter of RAM; cuda default: from --mem-fraction-static)")
 	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
+	fl.IntVar(&f.maxQueued, "max-queued-requests", engine.DefaultMaxQueue, "requests waiting for admission; beyond them requests get 503 with Retry-After")
+	fl.DurationVar(&f.readTimeout, "http-read-timeout", server.DefaultReadTimeout, "bound on reading an HTTP request, headers and body (not on its response)")
 	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
 	fl.BoolVar(&f.noRadixCache, "disable-radix-cache", false, "do not cache finished requests' KV for reuse by later prompts with the same prefix")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
@@ -132,6 +136,12 @@ func (f *serveFlags) validate() error {
 	}
 	if f.cudaGraphMaxBS < 1 {
 		return fmt.Errorf("--cuda-graph-max-bs %d: want at least 1 (--disable-cuda-graph turns the graphs off)", f.cudaGraphMaxBS)
+	}
+	if f.maxQueued < 1 {
+		return fmt.Errorf("--max-queued-requests %d: want at least 1", f.maxQueued)
+	}
+	if f.readTimeout <= 0 {
+		return fmt.Errorf("--http-read-timeout %v: want a positive duration", f.readTimeout)
 	}
 	if f.memFraction < 0 || f.memFraction >= 1 {
 		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
@@ -327,7 +337,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		cache = kvcache.NewRadix(be.pages, ps)
 	}
 	eng, err := engine.New(engine.Config{
-		Model: be.model, Pages: be.pages, Cache: cache, Tokenizer: tok, MaxRunningRequests: f.maxRunning,
+		Model: be.model, Pages: be.pages, Cache: cache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
 		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
@@ -376,7 +386,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	srv, err := server.New(server.Config{
 		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
-		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, Logger: lg, Gatherer: reg, Registerer: reg,
+		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, ReadTimeout: f.readTimeout, Logger: lg, Gatherer: reg, Registerer: reg,
 		Info: func() map[string]any {
 			s := eng.Stats()
 			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages, "kv_pages_cached": s.CachedPages}

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -328,4 +329,11 @@ func (s *scanner) number() error {
 		}
 	}
 	return nil
+}
+
+// isBootstrapName reports whether an error's param is one of the fields the
+// LB sets (exactly: a server refusing "bootstrap_host.x" refuses the
+// client's field, not the LB's).
+func isBootstrapName(param string) bool {
+	return slices.Contains(names[:3], param)
 }

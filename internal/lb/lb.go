@@ -443,7 +443,7 @@ func upstreamFailure(b *backend, resp *http.Response) *failure {
 	}
 	f := &failure{role: b.role, msg: fmt.Sprintf("%s server %s answered %d: %s", b.role, b, resp.StatusCode, msg)}
 	switch code := resp.StatusCode; {
-	case code < 500 && e.Error.Param != nil && strings.HasPrefix(*e.Error.Param, "bootstrap_"):
+	case code < 500 && e.Error.Param != nil && isBootstrapName(*e.Error.Param):
 		// The bootstrap fields are the LB's: its fault, not the client's.
 		f.code, f.cause, f.retry = http.StatusBadGateway, "rejected", true
 		f.msg = fmt.Sprintf("%s server %s refused the LB's bootstrap fields (do the LB and the servers share the cluster secret?): %s", b.role, b, msg)

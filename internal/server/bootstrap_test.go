@@ -82,17 +82,21 @@ func TestBootstrapVouchers(t *testing.T) {
 		name, body string
 		h          http.Header
 		want       string
+		param      string // the error's param ("" = bootstrap_room)
 	}{
-		{"none", body, nil, "none of its vouchers"},
-		{"other secret", body, vouched(clusterSecret(t, "another-cluster-secret"), f, now), "does not match"},
-		{"other host", strings.Replace(body, "10.0.0.1", "10.6.6.6", 1), vouched(s, f, now), "does not match"},
-		{"other port", strings.Replace(body, "8998", "8999", 1), vouched(s, f, now), "does not match"},
-		{"host spelt otherwise", strings.Replace(body, `"text"`, `"BOOTSTRAP_HOST":"10.6.6.6","text"`, 1), vouched(s, f, now), ""},
-		{"smuggled after", strings.Replace(body, `}`, `,"Bootstrap_Host":"10.6.6.6"}`, 1), vouched(s, f, now), "does not match"},
-		{"smuggled long s", strings.Replace(body, `}`, `,"bootſtrap_port":9}`, 1), vouched(s, f, now), "does not match"},
-		{"stale", body, vouched(s, f, now.Add(-time.Minute)), "time window"},
-		{"garbage", body, http.Header{http.CanonicalHeaderKey(voucher.Header): {"v1.x.y"}}, "malformed"},
-		{"completions", `{"prompt":"Hi","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":4611686018427387905}`, nil, "none of its vouchers"},
+		{"none", body, nil, "none of its vouchers", ""},
+		{"other secret", body, vouched(clusterSecret(t, "another-cluster-secret"), f, now), "does not match", ""},
+		{"other host", strings.Replace(body, "10.0.0.1", "10.6.6.6", 1), vouched(s, f, now), "does not match", ""},
+		{"other port", strings.Replace(body, "8998", "8999", 1), vouched(s, f, now), "does not match", ""},
+		// Other spellings are not fields at all: request decoding matches
+		// names exactly and refuses unknown ones.
+		{"host spelt otherwise", strings.Replace(body, `"text"`, `"BOOTSTRAP_HOST":"10.6.6.6","text"`, 1), vouched(s, f, now), "unknown field BOOTSTRAP_HOST", "BOOTSTRAP_HOST"},
+		{"smuggled after", strings.Replace(body, `}`, `,"Bootstrap_Host":"10.6.6.6"}`, 1), vouched(s, f, now), "unknown field Bootstrap_Host", "Bootstrap_Host"},
+		{"smuggled long s", strings.Replace(body, `}`, `,"bootſtrap_port":9}`, 1), vouched(s, f, now), "unknown field bootſtrap_port", "bootſtrap_port"},
+		{"stale", body, vouched(s, f, now.Add(-time.Minute)), "time window", ""},
+		{"garbage", body, http.Header{http.CanonicalHeaderKey(voucher.Header): {"v1.x.y"}}, "malformed", ""},
+		{"completions", `{"prompt":"Hi","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":4611686018427387905}`, nil, "none of its vouchers", ""},
+		{"vouched", body, vouched(s, f, now), "", ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			url := ts.URL + "/generate"
@@ -101,14 +105,18 @@ func TestBootstrapVouchers(t *testing.T) {
 			}
 			status, b := postWith(t, url, c.body, c.h)
 			if c.want == "" {
-				// The later exact field wins: the decoded fields are the
-				// signed ones.
 				if status != 200 {
 					t.Fatalf("status %d: %s", status, b)
 				}
 				return
 			}
 			checkError(t, status, b, 400, c.want)
+			if c.param != "" {
+				if !strings.Contains(string(b), `"param":"`+c.param+`"`) {
+					t.Fatalf("error does not name the field %s: %s", c.param, b)
+				}
+				return
+			}
 			if !strings.Contains(string(b), "mooncake-go lb") || !strings.Contains(string(b), `"param":"bootstrap_room"`) {
 				t.Fatalf("error does not name the LB and the field: %s", b)
 			}

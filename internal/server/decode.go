@@ -8,26 +8,37 @@ import (
 	"io"
 	"math"
 	"net/http"
-	"strings"
+	"os"
+	"strconv"
+	"unicode/utf8"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
 // readBody reads a request body of at most limit bytes: 413 beyond it.
 func readBody(w http.ResponseWriter, r *http.Request, limit int64) ([]byte, *Error) {
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, limit))
+	// Start at the announced size, up to 64 KiB: a client that announces more and
+	// sends nothing holds no more than that.
+	size := min(max(r.ContentLength, 0), limit, 64<<10)
+	buf := bytes.NewBuffer(make([]byte, 0, size+1))
+	_, err := buf.ReadFrom(http.MaxBytesReader(w, r.Body, limit))
+	body := buf.Bytes()
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
 			return nil, errorf(http.StatusRequestEntityTooLarge, "request body is larger than %d bytes", mbe.Limit)
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, &Error{Status: http.StatusRequestTimeout, Message: "the request body did not arrive within the read timeout", Err: err}
 		}
 		return nil, badRequest("", "reading request body: %v", err)
 	}
 	return body, nil
 }
 
-// unmarshalObject decodes a JSON object into v (a pointer to a struct) and
-// turns decoding errors into 400s that name the field.
+// unmarshalObject decodes a request body, a JSON object, into v (a pointer to a struct)
+// with decodeObject.
 func unmarshalObject(body []byte, v any) *Error {
 	b := bytes.TrimSpace(body)
 	if len(b) == 0 {
@@ -36,26 +47,19 @@ func unmarshalObject(body []byte, v any) *Error {
 	if b[0] != '{' {
 		return badRequest("", "request body must be a JSON object")
 	}
-	if err := json.Unmarshal(b, v); err != nil {
-		return jsonError(err)
+	if !json.Valid(b) {
+		var probe any
+		return jsonError(json.Unmarshal(b, &probe))
 	}
-	return nil
+	return decodeObject("", b, v)
 }
 
+// jsonError describes malformed JSON.
 func jsonError(err error) *Error {
 	var se *json.SyntaxError
-	var te *json.UnmarshalTypeError
-	var fe *fieldError
 	switch {
 	case errors.As(err, &se):
 		return badRequest("", "malformed JSON at byte %d: %v", se.Offset, se)
-	case errors.As(err, &te):
-		if te.Field == "" {
-			return badRequest("", "wrong type: expected %s, got JSON %s", goTypeName(te.Type.String()), te.Value)
-		}
-		return badRequest(te.Field, "%s: wrong type: expected %s, got JSON %s", te.Field, goTypeName(te.Type.String()), te.Value)
-	case errors.As(err, &fe):
-		return badRequest(fe.field, "%s: %s", fe.field, fe.msg)
 	case errors.Is(err, io.ErrUnexpectedEOF):
 		return badRequest("", "malformed JSON: unexpected end of input")
 	default:
@@ -63,29 +67,19 @@ func jsonError(err error) *Error {
 	}
 }
 
-// goTypeName names a Go type the way a JSON user thinks of it.
-func goTypeName(t string) string {
-	switch {
-	case strings.HasPrefix(t, "[]"), strings.HasPrefix(t, "server.stopList"):
-		return "array"
-	case strings.Contains(t, "int"):
-		return "integer"
-	case strings.Contains(t, "float"):
-		return "number"
-	case t == "string" || t == "*string":
-		return "string"
-	case strings.Contains(t, "bool"):
-		return "boolean"
-	case strings.HasPrefix(t, "server."), strings.HasPrefix(t, "*server."), strings.HasPrefix(t, "map"):
-		return "object"
+// unquote decodes a JSON string value (from a parsed body: valid JSON). One without
+// escapes, in valid UTF-8, is its bytes: no second scan of a long prompt.
+func unquote(raw json.RawMessage) (string, error) {
+	b := bytes.TrimSpace(raw)
+	if len(b) >= 2 && b[0] == '"' && b[len(b)-1] == '"' {
+		if in := b[1 : len(b)-1]; bytes.IndexByte(in, '\\') < 0 && utf8.Valid(in) {
+			return string(in), nil
+		}
 	}
-	return t
+	var s string
+	err := json.Unmarshal(raw, &s)
+	return s, err
 }
-
-// fieldError is a decoding error of a custom JSON type, with its field name.
-type fieldError struct{ field, msg string }
-
-func (e *fieldError) Error() string { return e.field + ": " + e.msg }
 
 // jsonKind is the kind of a raw JSON value by its first byte.
 func jsonKind(raw json.RawMessage) string {
@@ -107,19 +101,6 @@ func jsonKind(raw json.RawMessage) string {
 	default:
 		return "number"
 	}
-}
-
-// firstElemKind is the kind of the first element of a JSON array ("" for []).
-func firstElemKind(raw json.RawMessage) string {
-	b := bytes.TrimSpace(raw)
-	if len(b) < 2 || b[0] != '[' {
-		return ""
-	}
-	inner := bytes.TrimSpace(b[1:])
-	if len(inner) == 0 || inner[0] == ']' {
-		return ""
-	}
-	return jsonKind(inner[:1])
 }
 
 // stopList is OpenAI's and SGLang's "stop": a string or a list of strings.
@@ -144,7 +125,7 @@ func (s *stopList) UnmarshalJSON(b []byte) error {
 	case "array":
 		var many []string
 		if err := json.Unmarshal(b, &many); err != nil {
-			return &fieldError{"stop", "expected a string or a list of strings"}
+			return errStopType
 		}
 		out := many[:0]
 		for _, m := range many {
@@ -155,9 +136,11 @@ func (s *stopList) UnmarshalJSON(b []byte) error {
 		*s = stopList(out)
 		return nil
 	default:
-		return &fieldError{"stop", "expected a string or a list of strings"}
+		return errStopType
 	}
 }
+
+var errStopType = errors.New("expected a string or a list of strings")
 
 // sampling is the sampling fields common to every API, as pointers so that
 // absent and zero differ.
@@ -276,35 +259,82 @@ type prompt struct {
 	field  string
 }
 
-// decodeTextOrIDs reads a single prompt given as a JSON string or a list of
-// token ids; batches (a list of strings or of lists) get 400.
-func decodeTextOrIDs(field string, raw json.RawMessage) (prompt, *Error) {
-	switch jsonKind(raw) {
+// Prompt forms decodePrompt accepts.
+const (
+	promptText = 1 << iota // a string (or a list of one)
+	promptIDs              // a list of integer token ids (or a list of one)
+)
+
+// decodePrompt reads a single prompt, given as one of the forms allowed; batches (lists
+// of several) get 400, and so does anything else, naming field.
+func decodePrompt(field string, raw json.RawMessage, forms int) (prompt, *Error) {
+	return decodePromptAt(field, field, raw, forms)
+}
+
+// decodePromptAt is decodePrompt for the value at path at (field, or an element of it).
+func decodePromptAt(field, at string, raw json.RawMessage, forms int) (prompt, *Error) {
+	want := "a string or a list of integer token ids"
+	switch forms {
+	case promptText:
+		want = "a string"
+	case promptIDs:
+		want = "a list of integer token ids"
+	}
+	switch k := jsonKind(raw); k {
+	case "absent", "null":
+		return prompt{}, badRequest(field, "%s is required", at)
 	case "string":
-		var s string
-		if err := json.Unmarshal(raw, &s); err != nil {
+		if forms&promptText == 0 {
+			return prompt{}, badRequest(field, "%s: expected %s, got JSON string", at, want)
+		}
+		s, err := unquote(raw)
+		if err != nil {
 			return prompt{}, jsonError(err)
 		}
 		return prompt{text: s, isText: true, addBOS: true, field: field}, nil
 	case "array":
-		switch firstElemKind(raw) {
-		case "string", "array":
-			var one []json.RawMessage
-			if err := json.Unmarshal(raw, &one); err == nil && len(one) == 1 {
-				return decodeTextOrIDs(field, one[0])
-			}
-			return prompt{}, badRequest(field, "%s: batches are not supported: send one prompt per request", field)
+	default:
+		return prompt{}, badRequest(field, "%s: expected %s, got JSON %s", at, want, k)
+	}
+	elems := elements(raw)
+	kind := ""
+	for i, el := range elems {
+		k := jsonKind(el)
+		if kind == "" {
+			kind = k
 		}
-		var ids []int
-		if err := json.Unmarshal(raw, &ids); err != nil {
-			return prompt{}, badRequest(field, "%s: expected a string or a list of integer token ids", field)
+		if k != kind || (k != "number" && k != "string" && k != "array") {
+			return prompt{}, badRequest(field, "%s[%d]: expected %s, got JSON %s", at, i, want, k)
+		}
+	}
+	switch kind {
+	case "", "number":
+		if forms&promptIDs == 0 {
+			return prompt{}, badRequest(field, "%s: expected %s, got a list of numbers", at, want)
+		}
+		ids := make([]int, len(elems))
+		for i, el := range elems {
+			id, err := strconv.Atoi(string(el)) // JSON's integers, as encoding/json takes them
+			if err != nil {
+				return prompt{}, badRequest(field, "%s[%d]: expected an integer token id, got JSON number %s", at, i, el)
+			}
+			ids[i] = id
 		}
 		return prompt{ids: ids, field: field}, nil
-	case "absent", "null":
-		return prompt{}, badRequest(field, "%s is required", field)
-	default:
-		return prompt{}, badRequest(field, "%s: expected a string or a list of integer token ids, got JSON %s", field, jsonKind(raw))
+	case "string":
+		if forms&promptText == 0 {
+			return prompt{}, badRequest(field, "%s: expected %s, got a list of strings", at, want)
+		}
+	case "array":
+		if forms&promptIDs == 0 || at != field {
+			return prompt{}, badRequest(field, "%s: expected %s, got a list of lists", at, want)
+		}
+		forms = promptIDs // a list of lists of ids
 	}
+	if len(elems) != 1 {
+		return prompt{}, badRequest(field, "%s: batches are not supported: send one prompt per request", at)
+	}
+	return decodePromptAt(field, at+"[0]", elems[0], forms)
 }
 
 // bootstrapFields are the disaggregation fields the load balancer adds.
@@ -346,9 +376,21 @@ type spec struct {
 	// token (with logprobs; completions: logprobs, chat: top_logprobs,
 	// /generate: top_logprobs_num).
 	topLogprobs int
-	stream      bool
-	rid         string
-	boot        *Bootstrap
+	// textInLogprobs: /generate's return_text_in_logprobs.
+	textInLogprobs bool
+	stream         bool
+	rid            string
+	boot           *Bootstrap
+}
+
+// tooLong is the error for a prompt the tokenizer stopped at the context's length.
+func (s *Server) tooLong(field string, tl *tokenizer.TooLongError) *Error {
+	n := s.cfg.ContextLen
+	msg := fmt.Sprintf("the prompt (at least %d tokens) is longer than the model's context length (%d tokens)", tl.Tokens, n)
+	if tl.Length {
+		msg = fmt.Sprintf("the prompt (%d bytes: at least %d tokens) is longer than the model's context length (%d tokens)", tl.Bytes, tl.Tokens, n)
+	}
+	return &Error{Status: http.StatusBadRequest, Param: field, Message: msg, Err: fmt.Errorf("%w: %w", engine.ErrPromptTooLong, tl)}
 }
 
 // build tokenizes and checks a spec and makes the engine request. maxZero
@@ -365,9 +407,17 @@ func (s *Server) build(sp *spec) (req *engine.Request, maxZero bool, e *Error) {
 		if sp.prompt.text == "" {
 			return nil, false, badRequest(sp.prompt.field, "%s is empty", sp.prompt.field)
 		}
+		limit := -1 // the context's length: longer prompts stop the tokenizer there
+		if s.cfg.ContextLen > 0 {
+			limit = s.cfg.ContextLen - 1
+		}
 		var err error
-		ids, err = s.cfg.Tokenizer.Encode(sp.prompt.text, sp.prompt.addBOS)
-		if err != nil {
+		ids, err = s.cfg.Tokenizer.EncodeLimit(sp.prompt.text, sp.prompt.addBOS, limit)
+		var tl *tokenizer.TooLongError
+		switch {
+		case errors.As(err, &tl):
+			return nil, false, s.tooLong(sp.prompt.field, tl)
+		case err != nil:
 			return nil, false, badRequest(sp.prompt.field, "%s: tokenizing: %v", sp.prompt.field, err)
 		}
 	}

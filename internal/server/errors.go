@@ -70,11 +70,17 @@ func (e *Error) body() errorBody {
 	return errorBody{Error: o}
 }
 
+// retryAfter is the Retry-After of a 503 (overloaded, not ready), in seconds.
+const retryAfter = "1"
+
 func writeError(w http.ResponseWriter, e *Error) {
 	b, _ := json.Marshal(e.body())
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("X-Content-Type-Options", "nosniff")
+	if e.Status == http.StatusServiceUnavailable {
+		h.Set("Retry-After", retryAfter)
+	}
 	w.WriteHeader(e.Status)
 	_, _ = w.Write(append(b, '\n'))
 }

@@ -16,10 +16,38 @@ type generateRequest struct {
 	Stream         bool              `json:"stream"`
 	ReturnLogprob  bool              `json:"return_logprob"`
 	TopLogprobsNum int               `json:"top_logprobs_num"`
-	RID            *string           `json:"rid"`
-	InputEmbeds    json.RawMessage   `json:"input_embeds"`
+	// TextInLogprobs puts each token's text in the logprob triples.
+	TextInLogprobs bool    `json:"return_text_in_logprobs"`
+	RID            *string `json:"rid"`
 	bootstrapFields
 }
+
+// generateExtras are the fields of SGLang's GenerateReqInput we do not decode.
+var generateExtras = fieldRules{
+	"input_embeds": {why: "input embeddings"},
+	"image_data":   {why: "multimodal input"}, "video_data": {why: "multimodal input"}, "audio_data": {why: "multimodal input"},
+	"modalities": {why: "multimodal input"}, "mm_hashes": {why: "multimodal input"},
+	"lora_path": {why: "LoRA adapters"}, "lora_id": {why: "LoRA adapters"},
+	"custom_logit_processor": {why: "custom logit processors"},
+	"logprob_start_len":      {accept: []string{"-1"}, why: "prompt logprobs"},
+	"token_ids_logprob":      {why: "logprobs of given token ids"},
+	"return_hidden_states":   {accept: []string{"false"}}, "return_routed_experts": {accept: []string{"false"}},
+	"return_sampling_mask": {accept: []string{"false"}}, "return_entropy": {accept: []string{"false"}},
+	"return_prompt_token_ids": {accept: []string{"false"}}, "return_flat_raw_top_logprobs": {accept: []string{"false"}},
+	"session_params": {why: "sessions"},
+	"priority":       {why: "request priorities"},
+	"routed_dp_rank": {why: "data parallelism"}, "data_parallel_rank": {why: "data parallelism"},
+	"log_metrics":       {accept: []string{"true"}, why: "every request is measured"},
+	"no_logs":           {accept: []string{"false"}, why: "every request is logged, without its text"},
+	"custom_labels":     {why: "custom metric labels"},
+	"background":        {accept: []string{"false"}},
+	"require_reasoning": {accept: []string{"false"}}, "max_thinking_tokens": {why: "thinking budgets"},
+	// Labels and hints that change nothing here.
+	"session_id": {info: true}, "conversation_id": {info: true}, "routing_key": {info: true},
+	"extra_key": {info: true}, "cache_salt": {info: true}, "received_time": {info: true}, "external_trace_header": {info: true},
+}
+
+func (*generateRequest) extraFields() fieldRules { return generateExtras }
 
 // generateSampling is SGLang's sampling_params.
 type generateSampling struct {
@@ -27,6 +55,22 @@ type generateSampling struct {
 	MaxNewTokens *int   `json:"max_new_tokens"`
 	SamplingSeed *int64 `json:"sampling_seed"` // SGLang's name for seed
 }
+
+// samplingExtras are the sampling fields of SGLang we do not decode (shared with its
+// extensions of the OpenAI bodies).
+var samplingExtras = fieldRules{
+	"json_schema": {why: "constrained decoding"}, "regex": {why: "constrained decoding"},
+	"ebnf": {why: "constrained decoding"}, "structural_tag": {why: "constrained decoding"},
+	"stop_regex":                    {why: "stop regexes"},
+	"min_new_tokens":                {accept: []string{"0"}},
+	"skip_special_tokens":           {accept: []string{"true"}, why: "special tokens are always skipped"},
+	"spaces_between_special_tokens": {info: true},
+	"no_stop_trim":                  {accept: []string{"false"}, why: "a matched stop string is always trimmed"},
+	"custom_params":                 {why: "custom logit processors"},
+	"stream_interval":               {info: true}, // every token is streamed
+}
+
+func (*generateSampling) extraFields() fieldRules { return samplingExtras }
 
 // decodeGenerate decodes and checks a /generate body (no tokenization).
 func decodeGenerate(body []byte) (*spec, *Error) {
@@ -37,8 +81,6 @@ func decodeGenerate(body []byte) (*spec, *Error) {
 	hasText := jsonKind(g.Text) != "absent" && jsonKind(g.Text) != "null"
 	hasIDs := jsonKind(g.InputIDs) != "absent" && jsonKind(g.InputIDs) != "null"
 	switch {
-	case jsonKind(g.InputEmbeds) != "absent" && jsonKind(g.InputEmbeds) != "null":
-		return nil, badRequest("input_embeds", "input_embeds is not supported")
 	case hasText && hasIDs:
 		return nil, badRequest("text", "give either text or input_ids, not both")
 	case !hasText && !hasIDs:
@@ -47,18 +89,12 @@ func decodeGenerate(body []byte) (*spec, *Error) {
 	if g.TopLogprobsNum < 0 || g.TopLogprobsNum > samp.MaxTopLogprobs {
 		return nil, badRequest("top_logprobs_num", "top_logprobs_num must be in [0, %d], got %d", samp.MaxTopLogprobs, g.TopLogprobsNum)
 	}
-	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob, topLogprobs: g.TopLogprobsNum}
+	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob, topLogprobs: g.TopLogprobsNum, textInLogprobs: g.TextInLogprobs}
 	var e *Error
 	if hasText {
-		if jsonKind(g.Text) != "string" && !(jsonKind(g.Text) == "array" && firstElemKind(g.Text) == "string") {
-			return nil, badRequest("text", "text: expected a string, got JSON %s", jsonKind(g.Text))
-		}
-		sp.prompt, e = decodeTextOrIDs("text", g.Text)
+		sp.prompt, e = decodePrompt("text", g.Text, promptText)
 	} else {
-		if jsonKind(g.InputIDs) != "array" {
-			return nil, badRequest("input_ids", "input_ids: expected a list of integer token ids, got JSON %s", jsonKind(g.InputIDs))
-		}
-		sp.prompt, e = decodeTextOrIDs("input_ids", g.InputIDs)
+		sp.prompt, e = decodePrompt("input_ids", g.InputIDs, promptIDs)
 	}
 	if e != nil {
 		return nil, e
@@ -121,7 +157,9 @@ func sglangFinish(f *engine.Finish, completion int) map[string]any {
 	return out
 }
 
-func (rn *run) generateObject() generateResponse {
+// generateObject is the answer so far; textInLogprobs puts each token's text in its
+// logprob triples.
+func (rn *run) generateObject(textInLogprobs bool) generateResponse {
 	ids := rn.ids
 	if ids == nil {
 		ids = []int{}
@@ -137,16 +175,22 @@ func (rn *run) generateObject() generateResponse {
 		m.FinishReason = sglangFinish(rn.finish, len(rn.ids))
 	}
 	if rn.req.Logprobs {
+		text := func(id int) any {
+			if textInLogprobs {
+				return rn.s.tokenText(id)
+			}
+			return nil
+		}
 		m.OutputTokenLogprobs = make([][3]any, len(rn.ids))
 		for i, id := range rn.ids {
-			m.OutputTokenLogprobs[i] = [3]any{rn.logprobs[i], id, nil}
+			m.OutputTokenLogprobs[i] = [3]any{rn.logprobs[i], id, text(id)}
 		}
 		if rn.req.TopLogprobs > 0 {
 			m.OutputTopLogprobs = make([][][3]any, len(rn.ids))
 			for i := range rn.ids {
 				m.OutputTopLogprobs[i] = make([][3]any, len(rn.tops[i]))
 				for j, tp := range rn.tops[i] {
-					m.OutputTopLogprobs[i][j] = [3]any{tp.Logprob, tp.Token, nil}
+					m.OutputTopLogprobs[i][j] = [3]any{tp.Logprob, tp.Token, text(tp.Token)}
 				}
 			}
 		}
@@ -172,7 +216,7 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if sp.stream {
-		rn.stream(w, func(out *sse, ev engine.Event) { out.event(rn.generateObject()) }, nil)
+		rn.stream(w, func(out *sse, ev engine.Event) { out.event(rn.generateObject(sp.textInLogprobs)) }, nil)
 		return
 	}
 	rn.collect()
@@ -181,7 +225,7 @@ func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request) {
 		rn.fail(w, asError(ferr))
 		return
 	}
-	writeJSON(w, http.StatusOK, rn.generateObject())
+	writeJSON(w, http.StatusOK, rn.generateObject(sp.textInLogprobs))
 }
 
 // stream is the streaming flow shared by every API. It waits for the first

@@ -2,12 +2,28 @@ package server
 
 import (
 	"encoding/json"
+	"errors"
 	"maps"
 	"slices"
 	"strconv"
 
 	samp "github.com/mooncake-go/mooncake-go/internal/sampling"
 )
+
+// biasObject is a logit_bias value as sent; decoding checks only that it is
+// an object (or null), logitBias the rest.
+type biasObject json.RawMessage
+
+var errBiasType = errors.New("expected an object from token ids to biases")
+
+func (b *biasObject) UnmarshalJSON(raw []byte) error {
+	switch jsonKind(raw) {
+	case "null", "object":
+		*b = append((*b)[:0], raw...)
+		return nil
+	}
+	return errBiasType
+}
 
 // logitBias decodes and checks a logit_bias field (OpenAI's, and SGLang's
 // sampling_params.logit_bias): a JSON object from token ids, as decimal

@@ -2,7 +2,9 @@ package server
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
+	"reflect"
 	"strings"
 	"time"
 
@@ -15,6 +17,13 @@ const defaultCompletionMaxTokens = 16
 type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
 }
+
+var streamOptionsExtras = fieldRules{
+	"include_obfuscation":    {info: true}, // OpenAI's padding of stream events: none here
+	"continuous_usage_stats": {accept: []string{"false"}, why: "usage is sent at the end"},
+}
+
+func (*streamOptions) extraFields() fieldRules { return streamOptionsExtras }
 
 // samplingFields are the sampling fields /generate's sampling_params and
 // both OpenAI bodies share (with SGLang's extensions: top_k, min_p,
@@ -33,7 +42,7 @@ type samplingFields struct {
 	IgnoreEOS         bool     `json:"ignore_eos"`
 	Seed              *int64   `json:"seed"`
 
-	LogitBias json.RawMessage `json:"logit_bias"` // checked by logitBias
+	LogitBias biasObject `json:"logit_bias"` // checked by logitBias
 }
 
 func (o *samplingFields) sampling(maxTokens *int, maxName string) sampling {
@@ -41,7 +50,7 @@ func (o *samplingFields) sampling(maxTokens *int, maxName string) sampling {
 		MaxNewTokens: maxTokens, Temperature: o.Temperature, TopP: o.TopP, TopK: o.TopK, MinP: o.MinP,
 		FrequencyPenalty: o.FrequencyPenalty, PresencePenalty: o.PresencePenalty, RepetitionPenalty: o.RepetitionPenalty,
 		Stop: o.Stop, StopTokenIDs: o.StopTokenIDs, IgnoreEOS: o.IgnoreEOS, Seed: o.Seed, N: o.N, maxName: maxName,
-		LogitBias: o.LogitBias,
+		LogitBias: json.RawMessage(o.LogitBias),
 	}
 }
 
@@ -50,15 +59,41 @@ type completionRequest struct {
 	Model         string          `json:"model"`
 	Prompt        json.RawMessage `json:"prompt"`
 	MaxTokens     *int            `json:"max_tokens"`
-	BestOf        *int            `json:"best_of"`
 	Stream        bool            `json:"stream"`
 	StreamOptions *streamOptions  `json:"stream_options"`
 	Logprobs      *int            `json:"logprobs"`
-	Echo          bool            `json:"echo"`
-	Suffix        *string         `json:"suffix"`
 	RID           *string         `json:"rid"`
 	samplingFields
 	bootstrapFields
+}
+
+// openaiExtras are the fields of OpenAI's completion bodies and of SGLang's extensions
+// of them we do not decode.
+var openaiExtras = mergeRules(samplingExtras, fieldRules{
+	"user":      {info: true},
+	"lora_path": {why: "LoRA adapters"}, "session_params": {why: "sessions"}, "priority": {why: "request priorities"},
+	"custom_logit_processor": {why: "custom logit processors"},
+	"min_tokens":             {accept: []string{"0"}},
+	"return_hidden_states":   {accept: []string{"false"}}, "return_routed_experts": {accept: []string{"false"}},
+})
+
+var completionExtras = mergeRules(openaiExtras, fieldRules{
+	"best_of": {accept: []string{"1"}},
+	"echo":    {accept: []string{"false"}},
+	"suffix":  {accept: []string{`""`}, why: "insertion"},
+})
+
+func (*completionRequest) extraFields() fieldRules { return completionExtras }
+
+// mergeRules merges rule tables.
+func mergeRules(tables ...fieldRules) fieldRules {
+	out := fieldRules{}
+	for _, t := range tables {
+		for k, v := range t {
+			out[k] = v
+		}
+	}
+	return out
 }
 
 // openaiSpec is a decoded OpenAI request.
@@ -73,17 +108,10 @@ func decodeCompletion(body []byte) (*openaiSpec, *Error) {
 	if e := unmarshalObject(body, &c); e != nil {
 		return nil, e
 	}
-	switch {
-	case c.BestOf != nil && *c.BestOf != 1:
-		return nil, badRequest("best_of", "best_of=%d is not supported: only 1", *c.BestOf)
-	case c.Echo:
-		return nil, badRequest("echo", "echo is not supported")
-	case c.Suffix != nil && *c.Suffix != "":
-		return nil, badRequest("suffix", "suffix is not supported")
-	case c.Logprobs != nil && (*c.Logprobs < 0 || *c.Logprobs > 20):
+	if c.Logprobs != nil && (*c.Logprobs < 0 || *c.Logprobs > 20) {
 		return nil, badRequest("logprobs", "logprobs must be in [0, 20], got %d", *c.Logprobs)
 	}
-	p, e := decodeTextOrIDs("prompt", c.Prompt)
+	p, e := decodePrompt("prompt", c.Prompt, promptText|promptIDs)
 	if e != nil {
 		return nil, e
 	}
@@ -112,65 +140,99 @@ func decodeCompletion(body []byte) (*openaiSpec, *Error) {
 
 // chatRequest is the body of /v1/chat/completions.
 type chatRequest struct {
-	Model               string          `json:"model"`
-	Messages            []chatMessage   `json:"messages"`
-	MaxTokens           *int            `json:"max_tokens"`
-	MaxCompletionTokens *int            `json:"max_completion_tokens"`
-	Stream              bool            `json:"stream"`
-	StreamOptions       *streamOptions  `json:"stream_options"`
-	Logprobs            bool            `json:"logprobs"`
-	TopLogprobs         *int            `json:"top_logprobs"`
-	Tools               json.RawMessage `json:"tools"`
-	ResponseFormat      *struct {
-		Type string `json:"type"`
-	} `json:"response_format"`
-	RID *string `json:"rid"`
+	Model               string         `json:"model"`
+	Messages            []chatMessage  `json:"messages"`
+	MaxTokens           *int           `json:"max_tokens"`
+	MaxCompletionTokens *int           `json:"max_completion_tokens"`
+	Stream              bool           `json:"stream"`
+	StreamOptions       *streamOptions `json:"stream_options"`
+	Logprobs            bool           `json:"logprobs"`
+	TopLogprobs         *int           `json:"top_logprobs"`
+	RID                 *string        `json:"rid"`
 	samplingFields
 	bootstrapFields
 }
 
+var chatExtras = mergeRules(openaiExtras, fieldRules{
+	"tools": {accept: []string{"[]"}}, "tool_choice": {accept: []string{`"none"`, `"auto"`}, why: "tools"},
+	"functions": {accept: []string{"[]"}, why: "tools"}, "function_call": {accept: []string{`"none"`, `"auto"`}, why: "tools"},
+	"parallel_tool_calls": {info: true},
+	"response_format":     {accept: []string{`{"type":"text"}`}, why: "structured output"},
+	"audio":               {why: "audio output"}, "modalities": {accept: []string{`["text"]`}},
+	"prediction":         {why: "predicted outputs"},
+	"web_search_options": {why: "web search"},
+	"reasoning_effort":   {why: "reasoning control"}, "verbosity": {why: "verbosity control"},
+	"chat_template_kwargs":   {why: "chat template arguments"},
+	"continue_final_message": {accept: []string{"false"}},
+	"separate_reasoning":     {accept: []string{"false"}, why: "reasoning parsing"},
+	"stream_reasoning":       {info: true},
+	// Labels and storage hints that change nothing here.
+	"metadata": {info: true}, "store": {info: true}, "service_tier": {info: true},
+	"prompt_cache_key": {info: true}, "safety_identifier": {info: true},
+})
+
+func (*chatRequest) extraFields() fieldRules { return chatExtras }
+
 type chatMessage struct {
-	Role    string      `json:"role"`
-	Content chatContent `json:"content"`
-	Name    string      `json:"name"`
+	Role string `json:"role"`
+	// Content is a string, null, or a list of content parts (decodeContent).
+	Content json.RawMessage `json:"content"`
 }
 
-// chatContent is a message's content: a string, null, or a list of parts of
-// which only {"type":"text"} is supported.
-type chatContent string
+var messageExtras = fieldRules{
+	"name": {info: true}, "tool_call_id": {info: true}, "refusal": {info: true},
+	"tool_calls": {accept: []string{"[]"}, why: "tools"}, "function_call": {why: "tools"},
+	"audio":             {why: "audio"},
+	"reasoning_content": {accept: []string{`""`}, why: "reasoning content"},
+}
 
-func (c *chatContent) UnmarshalJSON(b []byte) error {
-	switch jsonKind(b) {
-	case "null":
-		*c = ""
-		return nil
+func (*chatMessage) extraFields() fieldRules { return messageExtras }
+
+// contentPart is one part of a message's content; only text parts are supported.
+type contentPart struct {
+	Type string  `json:"type"`
+	Text *string `json:"text"`
+}
+
+var contentPartExtras = fieldRules{
+	"image_url": {why: "only text content parts are supported"}, "input_audio": {why: "only text content parts are supported"},
+	"file": {why: "only text content parts are supported"}, "video_url": {why: "only text content parts are supported"},
+}
+
+func (*contentPart) extraFields() fieldRules { return contentPartExtras }
+
+// decodeContent reads a message's content at path p: a string, null, or a list of text
+// parts (joined by newlines).
+func decodeContent(p string, raw json.RawMessage) (string, *Error) {
+	switch k := jsonKind(raw); k {
+	case "absent", "null":
+		return "", nil
 	case "string":
-		var s string
-		if err := json.Unmarshal(b, &s); err != nil {
-			return err
+		s, err := unquote(raw)
+		if err != nil {
+			return "", jsonError(err)
 		}
-		*c = chatContent(s)
-		return nil
+		return s, nil
 	case "array":
-		var parts []struct {
-			Type string  `json:"type"`
-			Text *string `json:"text"`
-		}
-		if err := json.Unmarshal(b, &parts); err != nil {
-			return &fieldError{"messages.content", "expected a string or a list of content parts"}
-		}
-		texts := make([]string, 0, len(parts))
-		for _, p := range parts {
-			if p.Type != "text" || p.Text == nil {
-				return &fieldError{"messages.content", "only text content parts are supported, got type " + jsonQuote(p.Type)}
-			}
-			texts = append(texts, *p.Text)
-		}
-		*c = chatContent(strings.Join(texts, "\n"))
-		return nil
 	default:
-		return &fieldError{"messages.content", "expected a string or a list of content parts"}
+		return "", badRequest(p, "%s: expected a string or a list of content parts, got JSON %s", p, k)
 	}
+	var parts []contentPart
+	if e := decodeValue(p, raw, reflect.ValueOf(&parts).Elem()); e != nil {
+		return "", e
+	}
+	texts := make([]string, 0, len(parts))
+	for i, part := range parts {
+		at := fmt.Sprintf("%s[%d]", p, i)
+		switch {
+		case part.Type != "text":
+			return "", badRequest(at+".type", "%s.type %s is not supported: only text content parts are", at, jsonQuote(part.Type))
+		case part.Text == nil:
+			return "", badRequest(at+".text", "%s.text is required", at)
+		}
+		texts = append(texts, *part.Text)
+	}
+	return strings.Join(texts, "\n"), nil
 }
 
 func jsonQuote(s string) string {
@@ -192,10 +254,6 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 	switch {
 	case len(c.Messages) == 0:
 		return nil, badRequest("messages", "messages is empty")
-	case jsonKind(c.Tools) == "array" && strings.TrimSpace(string(c.Tools)) != "[]":
-		return nil, badRequest("tools", "tools are not supported")
-	case c.ResponseFormat != nil && c.ResponseFormat.Type != "" && c.ResponseFormat.Type != "text":
-		return nil, badRequest("response_format", "response_format %q is not supported", c.ResponseFormat.Type)
 	case c.TopLogprobs != nil && (*c.TopLogprobs < 0 || *c.TopLogprobs > 20):
 		return nil, badRequest("top_logprobs", "top_logprobs must be in [0, 20], got %d", *c.TopLogprobs)
 	}
@@ -207,9 +265,13 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 			role = "system"
 		case "system", "user", "assistant", "tool":
 		default:
-			return nil, badRequest("messages", "messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role)
+			return nil, badRequest(fmt.Sprintf("messages[%d].role", i), "messages[%d].role %q is not one of system, developer, user, assistant, tool", i, m.Role)
 		}
-		msgs = append(msgs, ChatMessage{Role: role, Content: string(m.Content)})
+		content, e := decodeContent(fmt.Sprintf("messages[%d].content", i), m.Content)
+		if e != nil {
+			return nil, e
+		}
+		msgs = append(msgs, ChatMessage{Role: role, Content: content})
 	}
 	maxTokens, maxName := c.MaxCompletionTokens, "max_completion_tokens"
 	if maxTokens == nil {

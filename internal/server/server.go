@@ -44,6 +44,9 @@ type CacheFlusher interface {
 // tokenizer.Tokenizer).
 type Tokenizer interface {
 	Encode(text string, addBOS bool) ([]int, error)
+	// EncodeLimit is Encode for at most limit ids (negative: no limit); past it, it
+	// returns a *tokenizer.TooLongError without encoding the rest.
+	EncodeLimit(text string, addBOS bool, limit int) ([]int, error)
 	VocabSize() int
 	BOS() int // -1 if none
 	TokenText(id int) string
@@ -75,6 +78,12 @@ const (
 // DefaultMaxBodyBytes is the request body limit when Config.MaxBodyBytes is 0.
 const DefaultMaxBodyBytes = 8 << 20
 
+// DefaultReadTimeout bounds reading a request when Config.ReadTimeout is 0.
+const DefaultReadTimeout = 30 * time.Second
+
+// headerTimeout bounds reading a request's headers (at most the read timeout).
+const headerTimeout = 10 * time.Second
+
 // DefaultShutdownTimeout is how long Serve waits for requests in flight when
 // its context ends and Config.ShutdownTimeout is 0.
 const DefaultShutdownTimeout = 10 * time.Second
@@ -97,7 +106,11 @@ type Config struct {
 	ContextLen    int    // prompts of this many tokens or more get 400; 0: no check
 	Mode          string // "null" (""), "prefill" or "decode"
 
-	MaxBodyBytes    int64         // 0: DefaultMaxBodyBytes; larger bodies get 413
+	MaxBodyBytes int64 // 0: DefaultMaxBodyBytes; larger bodies get 413
+	// ReadTimeout bounds reading a request, headers and body, from its first byte:
+	// a connection whose request does not arrive in time is closed. It does not
+	// bound the response (a long stream). 0: DefaultReadTimeout.
+	ReadTimeout     time.Duration
 	ShutdownTimeout time.Duration // 0: DefaultShutdownTimeout
 
 	Logger     *zap.Logger           // nil: no logs
@@ -144,6 +157,9 @@ func (c *Config) Validate() error {
 	if (c.Mode == ModePrefill || c.Mode == ModeDecode) && c.Vouchers.Secret.IsZero() && !c.Vouchers.AllowUnsigned {
 		return fmt.Errorf("server: a %s server needs Vouchers.Secret to check the load balancer's vouchers (or Vouchers.AllowUnsigned)", c.Mode)
 	}
+	if c.ReadTimeout < 0 {
+		return fmt.Errorf("server: negative ReadTimeout %v", c.ReadTimeout)
+	}
 	return nil
 }
 
@@ -178,6 +194,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.ShutdownTimeout == 0 {
 		cfg.ShutdownTimeout = DefaultShutdownTimeout
 	}
+	if cfg.ReadTimeout == 0 {
+		cfg.ReadTimeout = DefaultReadTimeout
+	}
 	if cfg.ChatTemplate == nil {
 		cfg.ChatTemplate = defaultChatTemplate(cfg.Tokenizer)
 	}
@@ -207,10 +226,15 @@ func (s *Server) Handler() http.Handler { return s.mux }
 // accepting, waits up to Config.ShutdownTimeout for requests in flight, then
 // closes the connections that remain (which aborts their requests). It
 // returns nil after a shutdown caused by ctx, or the error that stopped it.
+//
+// A request must arrive whole within Config.ReadTimeout; net/http lifts the
+// read deadline once it has (it starts its background read), so a response
+// may take longer (TestReadTimeout).
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	hs := &http.Server{
 		Handler:           s.mux,
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: min(headerTimeout, s.cfg.ReadTimeout),
+		ReadTimeout:       s.cfg.ReadTimeout,
 		IdleTimeout:       2 * time.Minute,
 		ErrorLog:          zap.NewStdLog(s.lg.Named("http")),
 	}

@@ -32,8 +32,9 @@ func newAddedSplitter(toks []hfAddedToken) addedSplitter {
 	return s
 }
 
-func (s addedSplitter) split(text string) []section {
-	var out []section
+// each calls yield with the sections of text in order: plain text and added tokens. It
+// stops when yield returns false and reports whether it reached the end.
+func (s addedSplitter) each(text string, yield func(section) bool) bool {
 	last := 0
 	for i := 0; i < len(text); i++ {
 		cands := s.byFirst[text[i]]
@@ -48,10 +49,12 @@ func (s addedSplitter) split(text string) []section {
 			if a.LStrip {
 				plain = strings.TrimRight(plain, " \t\n\r\v\f")
 			}
-			if plain != "" {
-				out = append(out, section{text: plain, start: last, id: -1})
+			if plain != "" && !yield(section{text: plain, start: last, id: -1}) {
+				return false
 			}
-			out = append(out, section{text: a.Content, start: i, id: a.ID})
+			if !yield(section{text: a.Content, start: i, id: a.ID}) {
+				return false
+			}
 			i += len(a.Content)
 			if a.RStrip {
 				for i < len(text) && strings.IndexByte(" \t\n\r\v\f", text[i]) >= 0 {
@@ -64,7 +67,7 @@ func (s addedSplitter) split(text string) []section {
 		}
 	}
 	if last < len(text) {
-		out = append(out, section{text: text[last:], start: last, id: -1})
+		return yield(section{text: text[last:], start: last, id: -1})
 	}
-	return out
+	return true
 }

@@ -28,6 +28,21 @@ func (byteTokenizer) Encode(text string, addBOS bool) ([]int, error) {
 	return ids, nil
 }
 
+// EncodeLimit implements Tokenizer: one id per byte, so the length decides.
+func (b byteTokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, error) {
+	extra := 0
+	if addBOS {
+		extra = 1
+	}
+	if err := checkLength(text, limit, 1, extra); err != nil {
+		return nil, err
+	}
+	return b.Encode(text, addBOS)
+}
+
+// MaxTokenBytes implements Tokenizer: every id is one byte.
+func (byteTokenizer) MaxTokenBytes() int { return 1 }
+
 func (b byteTokenizer) EncodeWithSpecial(text string, addBOS bool) ([]int, error) {
 	return b.Encode(text, addBOS)
 }

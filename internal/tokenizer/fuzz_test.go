@@ -1,8 +1,10 @@
 package tokenizer
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -52,7 +54,8 @@ var fuzzToks = sync.OnceValue(func() []fuzzTok {
 })
 
 // FuzzEncodeDecode checks that encoding and decoding never panic, that the stream decoder
-// always emits valid UTF-8 equal to Decode, and that valid text round-trips.
+// always emits valid UTF-8 equal to Decode, that valid text round-trips, that MaxTokenBytes
+// holds and that EncodeLimit stops exactly at the limit.
 func FuzzEncodeDecode(f *testing.F) {
 	for _, s := range []string{"", "Once upon a time", "héllo wörld 🙂👨‍👩‍👧", "日本語\n\n\t  x", "123456789", "it's <|im_end|>", "\xff\xfe\xe2\x82"} {
 		f.Add(s)
@@ -72,6 +75,17 @@ func FuzzEncodeDecode(f *testing.F) {
 				if id < 0 || id >= n {
 					t.Fatalf("%s: Encode(%q) gave id %d outside vocab %d", ft.name, s, id, n)
 				}
+			}
+			if m := ft.tok.MaxTokenBytes(); m > 0 {
+				if plain, _ := ft.tok.Encode(s, false); len(plain)*m < len(s) {
+					t.Fatalf("%s: %q has %d ids, fewer than its bytes / MaxTokenBytes %d", ft.name, s, len(plain), m)
+				}
+			}
+			if got, err := ft.tok.EncodeLimit(s, true, len(ids)); err != nil || !slices.Equal(got, ids) {
+				t.Fatalf("%s: EncodeLimit(%q, at its length) = %v, %v; Encode %v", ft.name, s, got, err, ids)
+			}
+			if _, err := ft.tok.EncodeLimit(s, true, len(ids)-1); len(ids) > 0 && !errors.Is(err, ErrTooLong) {
+				t.Fatalf("%s: EncodeLimit(%q, one short) = %v", ft.name, s, err)
 			}
 			dec := ft.tok.Decode(ids)
 			got, parts := streamAll(ft.tok, ids)

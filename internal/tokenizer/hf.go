@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -20,9 +21,16 @@ type hfTokenizer struct {
 	added     []bool   // id -> an added token (decoded as its content)
 	addedTrie addedSplitter
 
-	normalize func(string) string // nil: none
-	pre       []preStep           // applied in order
-	byteLevel bool                // decoder is ByteLevel
+	normalize    func(string) string // nil: none
+	pre          []preStep           // applied in order
+	preByteLevel bool                // a pre-tokenizer is ByteLevel: words are byte-level runes
+	preMixed     bool                // a Metaspace pre-tokenizer comes after a ByteLevel one
+	preRegex     bool                // a pre-tokenizer splits by a regex: EncodeLimit caps words
+	byteLevel    bool                // decoder is ByteLevel
+
+	// Bounds on what one id stands for (see computeBounds); 0: none.
+	maxTokenBytes int // text bytes: MaxTokenBytes
+	maxWordUnits  int // units of a pre-tokenized word (runes if preByteLevel, else bytes)
 
 	// sentencepiece-style decoding
 	metaspace    bool // ▁ -> ' '
@@ -40,9 +48,11 @@ type hfTokenizer struct {
 
 var _ Tokenizer = (*hfTokenizer)(nil)
 
-// preStep is one pre-tokenizer: it rewrites the words of a section; first says whether the
-// section starts the text.
-type preStep func(words []string, first bool) []string
+// preStep is one pre-tokenizer: it rewrites a word into words and calls yield with each,
+// in order; first says whether the word is the first of a section that starts the text,
+// and yield's first the same of the words it makes. It stops when yield returns false
+// and reports whether it reached the end.
+type preStep func(w string, first bool, yield func(w string, first bool) bool) bool
 
 type hfAddedToken struct {
 	ID      int    `json:"id"`
@@ -224,8 +234,9 @@ func ParseHF(tokenizerJSON, configJSON []byte) (Tokenizer, error) {
 	}
 	t.addedTrie = newAddedSplitter(f.AddedTokens)
 	var err error
+	shrink := 1
 	if f.Normalizer != nil {
-		if t.normalize, err = buildNormalizer(*f.Normalizer); err != nil {
+		if t.normalize, shrink, err = buildNormalizer(*f.Normalizer); err != nil {
 			return nil, err
 		}
 	}
@@ -240,6 +251,7 @@ func ParseHF(tokenizerJSON, configJSON []byte) (Tokenizer, error) {
 		}
 	}
 	t.setSpecials(f, cfg)
+	t.computeBounds(f.AddedTokens, shrink)
 	return t, nil
 }
 
@@ -277,25 +289,29 @@ func (t *hfTokenizer) loadMerges(raw json.RawMessage) error {
 	return nil
 }
 
-func buildNormalizer(n hfNode) (func(string) string, error) {
+// buildNormalizer returns the normalizer and how much it may shrink a text: its output
+// has at least 1/shrink of its input's bytes (0: no such bound).
+func buildNormalizer(n hfNode) (f func(string) string, shrink int, err error) {
 	switch n.Type {
 	case "Sequence":
 		var fs []func(string) string
+		shrink = 1
 		for _, c := range n.Normalizers {
-			f, err := buildNormalizer(c)
+			f, k, err := buildNormalizer(c)
 			if err != nil {
-				return nil, err
+				return nil, 0, err
 			}
 			if f != nil {
 				fs = append(fs, f)
 			}
+			shrink *= k
 		}
 		return func(s string) string {
 			for _, f := range fs {
 				s = f(s)
 			}
 			return s
-		}, nil
+		}, shrink, nil
 	case "Prepend":
 		p := n.Prepend
 		return func(s string) string {
@@ -303,17 +319,24 @@ func buildNormalizer(n hfNode) (func(string) string, error) {
 				return s
 			}
 			return p + s
-		}, nil
+		}, 1, nil
 	case "Replace":
 		if n.Pattern.String == nil {
-			return nil, errors.New("unsupported normalizer Replace with a regex pattern")
+			return nil, 0, errors.New("unsupported normalizer Replace with a regex pattern")
 		}
 		from, to := *n.Pattern.String, n.Content
-		return func(s string) string { return strings.ReplaceAll(s, from, to) }, nil
+		shrink = 1
+		switch {
+		case from != "" && to == "":
+			shrink = 0 // it deletes
+		case len(from) > len(to):
+			shrink = (len(from) + len(to) - 1) / len(to)
+		}
+		return func(s string) string { return strings.ReplaceAll(s, from, to) }, shrink, nil
 	case "NFC", "NFD", "NFKC", "NFKD":
-		return unicodeNormalizer(n.Type), nil
+		return unicodeNormalizer(n.Type), unicodeShrink, nil
 	}
-	return nil, fmt.Errorf("unsupported normalizer %q", n.Type)
+	return nil, 0, fmt.Errorf("unsupported normalizer %q", n.Type)
 }
 
 func (t *hfTokenizer) buildPre(n hfNode) error {
@@ -336,31 +359,33 @@ func (t *hfTokenizer) buildPre(n hfNode) error {
 		if n.Behavior != "Isolated" || n.Invert {
 			return fmt.Errorf("unsupported Split behavior %q invert=%v", n.Behavior, n.Invert)
 		}
+		t.preRegex = true
 		t.pre = append(t.pre, splitStep(sp))
 		return nil
 	case "ByteLevel":
 		addPrefix := n.AddPrefix != nil && *n.AddPrefix
 		useRegex := n.UseRegex == nil || *n.UseRegex
 		gpt2 := knownSplitter(patGPT2)
-		t.pre = append(t.pre, func(words []string, first bool) []string {
-			out := words[:0:0]
-			for _, w := range words {
-				if addPrefix && first && !strings.HasPrefix(w, " ") {
-					w = " " + w
-				}
-				first = false
-				if useRegex {
-					for _, p := range gpt2(w, nil) {
-						out = append(out, byteLevelMap(p))
-					}
-				} else {
-					out = append(out, byteLevelMap(w))
-				}
+		t.preByteLevel = true
+		t.preRegex = t.preRegex || useRegex
+		t.pre = append(t.pre, func(w string, first bool, yield func(string, bool) bool) bool {
+			if addPrefix && first && !strings.HasPrefix(w, " ") {
+				w = " " + w
 			}
-			return out
+			if !useRegex {
+				return yield(byteLevelMap(w), first)
+			}
+			return gpt2(w, func(p string) bool {
+				ok := yield(byteLevelMap(p), first)
+				first = false
+				return ok
+			})
 		})
 		return nil
 	case "Metaspace":
+		if t.preByteLevel {
+			t.preMixed = true
+		}
 		rep := n.Replacement
 		if rep == "" {
 			rep = "▁"
@@ -373,27 +398,25 @@ func (t *hfTokenizer) buildPre(n hfNode) error {
 			}
 		}
 		split := n.Split == nil || *n.Split
-		t.pre = append(t.pre, func(words []string, first bool) []string {
-			out := words[:0:0]
-			for i, w := range words {
-				w = strings.ReplaceAll(w, " ", rep)
-				if (scheme == "always" || (scheme == "first" && first && i == 0)) && !strings.HasPrefix(w, rep) {
-					w = rep + w
-				}
-				if !split {
-					out = append(out, w)
-					continue
-				}
-				start := 0
-				for i := 1; i < len(w); i++ {
-					if strings.HasPrefix(w[i:], rep) {
-						out = append(out, w[start:i])
-						start = i
-					}
-				}
-				out = append(out, w[start:])
+		t.pre = append(t.pre, func(w string, first bool, yield func(string, bool) bool) bool {
+			w = strings.ReplaceAll(w, " ", rep)
+			if (scheme == "always" || (scheme == "first" && first)) && !strings.HasPrefix(w, rep) {
+				w = rep + w
 			}
-			return out
+			if !split {
+				return yield(w, first)
+			}
+			start := 0
+			for i := 1; i < len(w); i++ {
+				if strings.HasPrefix(w[i:], rep) {
+					if !yield(w[start:i], first) {
+						return false
+					}
+					first = false
+					start = i
+				}
+			}
+			return yield(w[start:], first)
 		})
 		return nil
 	}
@@ -401,12 +424,12 @@ func (t *hfTokenizer) buildPre(n hfNode) error {
 }
 
 func splitStep(sp splitter) preStep {
-	return func(words []string, _ bool) []string {
-		out := make([]string, 0, len(words)*2)
-		for _, w := range words {
-			out = sp(w, out)
-		}
-		return out
+	return func(w string, first bool, yield func(string, bool) bool) bool {
+		return sp(w, func(p string) bool {
+			ok := yield(p, first)
+			first = false
+			return ok
+		})
 	}
 }
 
@@ -543,35 +566,79 @@ func parseChatTemplate(raw json.RawMessage) string {
 
 // Encode implements Tokenizer.
 func (t *hfTokenizer) Encode(text string, addBOS bool) ([]int, error) {
-	ids := make([]int, 0, len(text)/3+4)
+	return t.EncodeLimit(text, addBOS, -1)
+}
+
+// EncodeLimit implements Tokenizer. It goes through the text a section and a
+// pre-tokenized word at a time, and checks a word's length against the limit before
+// merging it (the merges of one word are global). With a limit, a tokenizer that splits
+// words by a regex refuses a word longer than MaxWordBytes.
+func (t *hfTokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, error) {
+	var prefix, suffix []int
 	if addBOS {
-		ids = append(ids, t.prefix...)
+		prefix, suffix = t.prefix, t.suffix
 	}
-	var words []string
-	for _, sec := range t.addedTrie.split(text) {
+	if err := checkLength(text, limit, t.maxTokenBytes, len(prefix)+len(suffix)); err != nil {
+		return nil, err
+	}
+	capacity := len(text)/3 + 4
+	if limit >= 0 {
+		capacity = min(capacity, limit+1)
+	}
+	ids := append(make([]int, 0, capacity), prefix...)
+	atLeast := 0 // when the limit is passed: a lower bound on the text's ids
+	room := func(more int) bool {
+		if n := len(ids) + more + len(suffix); limit >= 0 && n > limit {
+			atLeast = n
+			return false
+		}
+		return true
+	}
+	var wordErr error
+	word := func(w string, _ bool) bool {
+		units := len(w)
+		if t.preByteLevel {
+			units = utf8.RuneCountInString(w)
+		}
+		if limit >= 0 && !room(minTokens(units, t.maxWordUnits)) {
+			return false
+		}
+		if limit >= 0 && t.preRegex && units > MaxWordBytes {
+			wordErr = &WordTooLongError{Bytes: units, Limit: MaxWordBytes}
+			return false
+		}
+		ids = t.model.encodeWord(ids, w)
+		return room(0)
+	}
+	t.addedTrie.each(text, func(sec section) bool {
 		if sec.id >= 0 {
 			ids = append(ids, sec.id)
-			continue
+			return room(0)
 		}
 		s := sec.text
 		if t.normalize != nil {
 			s = t.normalize(s)
 		}
 		if s == "" {
-			continue
+			return true
 		}
-		words = append(words[:0], s)
-		for _, p := range t.pre {
-			words = p(words, sec.start == 0)
-		}
-		for _, w := range words {
-			ids = t.model.encodeWord(ids, w)
-		}
+		return t.words(0, s, sec.start == 0, word)
+	})
+	switch {
+	case atLeast > 0:
+		return nil, &TooLongError{Limit: limit, Tokens: atLeast, Bytes: len(text)}
+	case wordErr != nil:
+		return nil, wordErr
 	}
-	if addBOS {
-		ids = append(ids, t.suffix...)
+	return append(ids, suffix...), nil
+}
+
+// words runs pre-tokenizers i and after on w and calls yield with each word they make.
+func (t *hfTokenizer) words(i int, w string, first bool, yield func(string, bool) bool) bool {
+	if i == len(t.pre) {
+		return yield(w, first)
 	}
-	return ids, nil
+	return t.pre[i](w, first, func(w string, first bool) bool { return t.words(i+1, w, first, yield) })
 }
 
 // EncodeWithSpecial implements Tokenizer; it is Encode.
@@ -637,6 +704,9 @@ func (t *hfTokenizer) VocabSize() int { return len(t.tokens) }
 
 // BOS implements Tokenizer.
 func (t *hfTokenizer) BOS() int { return t.bos }
+
+// MaxTokenBytes implements Tokenizer; see computeBounds.
+func (t *hfTokenizer) MaxTokenBytes() int { return t.maxTokenBytes }
 
 // EOS implements Tokenizer.
 func (t *hfTokenizer) EOS() []int { return append([]int(nil), t.eos...) }

@@ -16,10 +16,11 @@ import (
 //
 // Ids 0, 1, 2 are <unk>, BOS and EOS; ids 3..258 are the byte tokens <0x00>..<0xFF>.
 type llama2c struct {
-	pieces [][]byte
-	scores []float32
-	lookup map[string]int // piece -> first id with it
-	bytes  [256]int       // id of <0xNN>, -1 if absent
+	maxBytes int // MaxTokenBytes
+	pieces   [][]byte
+	scores   []float32
+	lookup   map[string]int // piece -> first id with it
+	bytes    [256]int       // id of <0xNN>, -1 if absent
 }
 
 var _ Tokenizer = (*llama2c)(nil)
@@ -83,6 +84,7 @@ func parseLlama2C(data []byte, vocabSize int) (*llama2c, error) {
 	if len(t.pieces) < 3 {
 		return nil, errors.New("llama2.c tokenizer: fewer than 3 tokens")
 	}
+	t.maxBytes = maxPieceBytes(t.pieces)
 	for i := range t.bytes {
 		t.bytes[i] = -1
 		if id, ok := t.lookup[fmt.Sprintf("<0x%02X>", i)]; ok {
@@ -135,6 +137,47 @@ func (t *llama2c) Encode(text string, addBOS bool) ([]int, error) {
 		return id, -float64(t.scores[id]), true
 	}
 	return mergeSymbols(ids, syms, look), nil
+}
+
+// EncodeLimit implements Tokenizer. The merges are global (the best pair anywhere
+// first), so a text is encoded whole once its length allows it.
+func (t *llama2c) EncodeLimit(text string, addBOS bool, limit int) ([]int, error) {
+	extra := 0
+	if addBOS {
+		extra = 1
+	}
+	if err := checkLength(text, limit, t.maxBytes, extra); err != nil {
+		return nil, err
+	}
+	ids, err := t.Encode(text, addBOS)
+	if err != nil {
+		return nil, err
+	}
+	return checkCount(text, ids, limit)
+}
+
+// MaxTokenBytes implements Tokenizer; see maxPieceBytes.
+func (t *llama2c) MaxTokenBytes() int { return t.maxBytes }
+
+// maxPieceBytes is the longest piece. Every text byte lands in one symbol: a code point
+// whose piece is its bytes, or the byte token byte+3, which stands for one byte; a merged
+// token's piece is the concatenation of its parts'; the " " prefix and BOS stand for no
+// text byte. So a token stands for at most its piece's length, provided that every byte
+// token's piece is at least one byte long (it is <0xNN>); 0 (no bound) when not.
+func maxPieceBytes(pieces [][]byte) int {
+	if len(pieces) < 3+256 {
+		return 0
+	}
+	for _, p := range pieces[3 : 3+256] {
+		if len(p) == 0 {
+			return 0
+		}
+	}
+	n := 0
+	for _, p := range pieces {
+		n = max(n, len(p))
+	}
+	return n
 }
 
 // EncodeWithSpecial implements Tokenizer; it is Encode.

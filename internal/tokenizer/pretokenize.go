@@ -17,32 +17,36 @@ const (
 	patGPT2 = `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`
 )
 
-// splitter cuts text into pre-tokens; every byte of text lands in exactly one piece.
-type splitter func(text string, out []string) []string
+// splitter cuts text into pre-tokens and calls yield with each, in order; every byte of
+// text lands in exactly one piece. It stops when yield returns false and reports whether
+// it reached the end.
+type splitter func(text string, yield func(string) bool) bool
 
 // knownSplitter returns the scanner for a Split regex, or nil if the pattern is unknown.
 func knownSplitter(pattern string) splitter {
 	switch pattern {
 	case patLlama3:
-		return func(s string, out []string) []string { return splitWith(s, out, 3, matchCL100K) }
+		return func(s string, yield func(string) bool) bool { return splitWith(s, yield, 3, matchCL100K) }
 	case patQwen2:
-		return func(s string, out []string) []string { return splitWith(s, out, 1, matchCL100K) }
+		return func(s string, yield func(string) bool) bool { return splitWith(s, yield, 1, matchCL100K) }
 	case patGPT2:
-		return func(s string, out []string) []string { return splitWith(s, out, 0, matchGPT2) }
+		return func(s string, yield func(string) bool) bool { return splitWith(s, yield, 0, matchGPT2) }
 	}
 	return nil
 }
 
-func splitWith(s string, out []string, digits int, match func(string, int) int) []string {
+func splitWith(s string, yield func(string) bool, digits int, match func(string, int) int) bool {
 	for len(s) > 0 {
 		n := match(s, digits)
 		if n <= 0 {
 			_, n = utf8.DecodeRuneInString(s)
 		}
-		out = append(out, s[:n])
+		if !yield(s[:n]) {
+			return false
+		}
 		s = s[n:]
 	}
-	return out
+	return true
 }
 
 func isL(r rune) bool     { return unicode.IsLetter(r) }

@@ -24,6 +24,16 @@ type Tokenizer interface {
 	Encode(text string, addBOS bool) ([]int, error)
 	// EncodeWithSpecial is the same as Encode.
 	EncodeWithSpecial(text string, addBOS bool) ([]int, error)
+	// EncodeLimit is Encode for at most limit ids (those addBOS adds included; a
+	// negative limit is none). A text with more gets a *TooLongError as soon as that is
+	// known: from its length alone when MaxTokenBytes proves it, else once limit+1 ids
+	// are found, without encoding the rest. With a limit, a tokenizer that splits words by
+	// a regex also refuses a word longer than MaxWordBytes (*WordTooLongError).
+	EncodeLimit(text string, addBOS bool, limit int) ([]int, error)
+	// MaxTokenBytes bounds the bytes of text one id stands for: a text of n bytes
+	// encodes to at least ceil(n/MaxTokenBytes) ids (addBOS only adds to them). 0: no
+	// bound (a token may stand for any number of bytes, as fused unknown characters do).
+	MaxTokenBytes() int
 	// Decode returns the text of ids, skipping special tokens (BOS, EOS, <|eot_id|> ...).
 	// Bytes that do not form valid UTF-8 become U+FFFD. It follows the tokenizer's decoder
 	// (HF: a leading space of the first token may be stripped) and never applies

@@ -100,6 +100,19 @@ await assert.rejects(
   (e) => e instanceof OpenAI.BadRequestError && e.status === 400,
 );
 
+// what the server does not implement is refused, naming the field
+for (const [extra, param] of [
+  [{ response_format: { type: 'json_object' } }, 'response_format'],
+  [{ tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }, 'tools'],
+  [{ max_tokens: '8' }, 'max_tokens'],
+]) {
+  await assert.rejects(
+    client.chat.completions.create({ model, messages: [{ role: 'user', content: 'x' }], ...extra }),
+    (e) => e instanceof OpenAI.BadRequestError && e.param === param,
+  );
+}
+results.refusedFields = true;
+
 // a stream that fails after it started ends in an error, not in silence
 if (process.env.FAIL_BASE_URL) {
   const failing = new OpenAI({ apiKey: 'none', baseURL: process.env.FAIL_BASE_URL, maxRetries: 0 });

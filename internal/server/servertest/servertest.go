@@ -12,6 +12,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
+	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
 // Token ids of Tokenizer beyond the 256 bytes.
@@ -34,6 +35,19 @@ func (Tokenizer) Encode(text string, addBOS bool) ([]int, error) {
 		ids = append(ids, int(text[i]))
 	}
 	return ids, nil
+}
+
+// EncodeLimit is Encode for at most limit ids (negative: no limit): one id per
+// byte, so the length decides.
+func (t Tokenizer) EncodeLimit(text string, addBOS bool, limit int) ([]int, error) {
+	n := len(text)
+	if addBOS {
+		n++
+	}
+	if limit >= 0 && n > limit {
+		return nil, &tokenizer.TooLongError{Limit: limit, Tokens: n, Bytes: len(text), Length: true}
+	}
+	return t.Encode(text, addBOS)
 }
 
 // Decode returns the bytes of ids; special tokens decode to nothing.
