@@ -370,7 +370,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			return pf.Prepare(ctx, req, b.Room)
 		}
 	case "decode":
-		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages, PagesFor: eng.KVPages,
+		d, err := disagg.NewDecode(ctx, disagg.DecodeConfig{Transfer: te, Info: info, Pages: be.pages, PagesFor: eng.KVPages, Cache: cache,
 			Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait, Secret: secret, Logger: lg, Registerer: reg})
 		if err != nil {
 			return err

@@ -32,6 +32,10 @@ type DecodeConfig struct {
 	// they are reserved before the KV arrives, so the request never waits
 	// for pages once it is in the engine. nil: the prompt's pages only.
 	PagesFor func(*engine.Request) (int, error)
+	// Cache, if set, is the decode's prefix cache (the engine's): a room's
+	// leading pages it already holds are shared, not reserved, and the
+	// prefill is told to send only the rest.
+	Cache *kvcache.Radix
 	// QueueWait bounds the wait for those pages, in arrival order (default
 	// 60s). The bootstrap and KV bound, Timeout, starts once they are
 	// reserved.
@@ -199,7 +203,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 		return roomErr(room, reason, err)
 	}
 
-	table, err := d.reserve(ctx, req)
+	table, held, err := d.reserve(ctx, req)
 	if err != nil {
 		if errors.Is(err, kvcache.ErrOutOfPages) {
 			return why(ReasonPoolFull, err)
@@ -250,7 +254,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			break
 		}
 		rr := RoomRequest{Room: room, Decode: d.cfg.Info, Pages: table.IDs()[:prompt], AuxAddr: d.aux.addr(slot),
-			Tokens: len(req.InputIDs), Want: info.Incarnation}
+			Tokens: len(req.InputIDs), Held: held, Want: info.Incarnation}
 		if err = d.post(bctx, boot+"/bootstrap/rooms", rr); err == nil {
 			break
 		}
@@ -336,27 +340,46 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 	}
 }
 
-// reserve takes every page req will need, waiting up to QueueWait.
-func (d *Decode) reserve(ctx context.Context, req *engine.Request) (*kvcache.Table, error) {
+// reserve takes every page req will need, waiting up to QueueWait: the
+// leading ones from the prefix cache where it holds them (whole pages of
+// all but the last prompt token), the rest fresh. held is how many prompt
+// tokens the cached pages cover.
+func (d *Decode) reserve(ctx context.Context, req *engine.Request) (_ *kvcache.Table, held int, err error) {
 	ps := d.cfg.Info.Layout.PageSize
 	n := (len(req.InputIDs) + ps - 1) / ps
 	if d.cfg.PagesFor != nil {
 		need, err := d.cfg.PagesFor(req)
 		if err != nil {
-			return nil, roomErr(req.Room, ReasonInvalid, err)
+			return nil, 0, roomErr(req.Room, ReasonInvalid, err)
 		}
 		n = max(n, need)
 	}
+	table := d.cfg.Pages.NewTable()
+	if c := d.cfg.Cache; c != nil && len(req.InputIDs) > 1 {
+		prompt := make([]int32, len(req.InputIDs)-1)
+		for i, id := range req.InputIDs[:len(prompt)] {
+			prompt[i] = int32(id)
+		}
+		m := c.Lookup(prompt)
+		if err := table.Share(m.Pages); err == nil {
+			held = m.Tokens()
+		}
+		m.Done()
+	}
 	qctx, cancel := context.WithTimeout(ctx, d.cfg.QueueWait)
 	defer cancel()
-	t, err := d.cfg.Pages.TakeWait(qctx, n)
+	rest, err := d.cfg.Pages.TakeWait(qctx, n-table.Len())
 	if err != nil {
+		table.Release()
 		if n > d.cfg.Pages.Total() {
-			return nil, roomErr(req.Room, ReasonInvalid, fmt.Errorf("decode KV pool: %w", err))
+			return nil, 0, roomErr(req.Room, ReasonInvalid, fmt.Errorf("decode KV pool: %w", err))
 		}
-		return nil, fmt.Errorf("%w: %d pages within %v (--max-queue-wait): %w", ErrPoolFull, n, d.cfg.QueueWait, err)
+		return nil, 0, fmt.Errorf("%w: %d pages within %v (--max-queue-wait): %w", ErrPoolFull, n, d.cfg.QueueWait, err)
 	}
-	return t, nil
+	if err := table.Adopt(rest); err != nil {
+		return nil, 0, err
+	}
+	return table, held, nil
 }
 
 // cancelRemote asks the prefill to drop the room. The prefill answers once

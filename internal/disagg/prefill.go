@@ -426,6 +426,13 @@ func (r *proom) setDst(rr *RoomRequest) error {
 	if r.dst != nil {
 		return fmt.Errorf("room %d already registered", r.id)
 	}
+	ps := r.p.cfg.Info.Layout.PageSize
+	if rr.Held < 0 || rr.Held%ps != 0 || rr.Held >= max(rr.Tokens, 1) || rr.Held/ps > len(rr.Pages) {
+		return fmt.Errorf("room %d: decode holds %d of %d prompt tokens in %d pages: not whole pages of the prompt", r.id, rr.Held, rr.Tokens, len(rr.Pages))
+	}
+	for l := range r.layerSent { // decode has these pages already
+		r.layerSent[l] = rr.Held / ps
+	}
 	r.dst, r.regAt = rr, time.Now()
 	r.open()
 	r.poke()

@@ -82,6 +82,9 @@ type RoomRequest struct {
 	Pages   []int32 `json:"pages"`    // destination pages, in prompt order
 	AuxAddr uint64  `json:"aux_addr"` // where the first token goes
 	Tokens  int     `json:"tokens"`   // prompt length decode tokenized
+	// Held is how many leading prompt tokens decode already holds in
+	// Pages (its prefix cache; whole pages): the prefill sends the rest.
+	Held int `json:"held,omitempty"`
 	// Want is the prefill incarnation decode's info came from; another
 	// incarnation refuses the room ("" = any).
 	Want string `json:"want,omitempty"`

@@ -1,14 +1,17 @@
 package disagg
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 )
 
 // TestDecodeQueuesForPages: with the decode pool full, a room waits for
@@ -165,4 +168,71 @@ func TestPrefillRestartedSamePort(t *testing.T) {
 	}
 	defer p2.Close()
 	run(p2, 62)
+}
+
+// TestDecodeHoldsPrefix: the decode's prefix cache holds the prompt's first
+// pages; the room shares them, tells the prefill, and the prefill sends
+// only the rest: the held pages are not written and fewer bytes move.
+func TestDecodeHoldsPrefix(t *testing.T) {
+	x := newPD(t, pdOpts{})
+	ps := testLayout.PageSize
+	cache := kvcache.NewRadix(x.dec.pages, ps)
+	x.d.cfg.Cache = cache
+	const prompt = 21 // 6 pages; all but the last token: 5 whole pages
+	ids := make([]int, prompt)
+	toks := make([]int32, prompt)
+	for i := range ids {
+		ids[i], toks[i] = i+1, int32(i+1)
+	}
+	// An earlier request left the first 3 pages in the decode's cache.
+	prev, _ := x.dec.pages.Take(3)
+	for i, pg := range prev.IDs() {
+		x.dec.fill(100+i, pg) // a marker the prefill must not overwrite
+	}
+	cache.Insert(toks[:3*ps], prev.IDs())
+	held := append([]int32(nil), prev.IDs()...)
+	prev.Release()
+
+	dreq := &engine.Request{InputIDs: ids}
+	ch := x.prepareDecode(context.Background(), dreq, x.p.Port(), 71)
+	preq := &engine.Request{InputIDs: ids}
+	x.p.Prepare(context.Background(), preq, 71)
+	f := x.pre.startPrefill(t, preq.Prefill, prompt)
+	f.chunk(preq.Prefill, 0, prompt)
+	f.done(preq.Prefill, 5, 0, nil)
+	if res := wait(t, ch, 3*time.Second); res.err != nil {
+		t.Fatal(res.err)
+	}
+	pl := dreq.Preloaded
+	got := pl.Table.IDs()
+	if !slices.Equal(got[:3], held) {
+		t.Fatalf("decode pages %v do not start with the cached %v", got, held)
+	}
+	for i := range 6 {
+		for l := 0; l < testLayout.Layers; l++ {
+			for k := kvcache.K; k <= kvcache.V; k++ {
+				want := x.pre.pool.Page(l, k, int(f.pages[i]))
+				if i < 3 { // held: the earlier request's bytes stay
+					probe := newSidePage(x.dec, 100+i)
+					want = probe(l, k)
+				}
+				if !bytes.Equal(x.dec.pool.Page(l, k, int(got[i])), want) {
+					t.Fatalf("page %d layer %d kind %d: wrong bytes (held pages must be left alone, the rest pushed)", i, l, k)
+				}
+			}
+		}
+	}
+	pl.Table.Release()
+	f.waitReleased(t, time.Second)
+}
+
+// newSidePage returns the bytes fill(i, ...) writes for a layer and kind.
+func newSidePage(s *side, i int) func(l int, k kvcache.Kind) []byte {
+	return func(l int, k kvcache.Kind) []byte {
+		b := make([]byte, s.pool.Layout.PageBytes())
+		for j := range b {
+			b[j] = byte(i*131 + l*17 + int(k)*7 + j)
+		}
+		return b
+	}
 }

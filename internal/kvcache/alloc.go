@@ -353,6 +353,26 @@ func (t *Table) Share(pages []int32) error {
 	return nil
 }
 
+// Adopt moves other's pages to the end of t; other is left empty and
+// released (its pages are t's now).
+func (t *Table) Adopt(other *Table) error {
+	other.mu.Lock()
+	ids, done := other.ids, other.done
+	other.ids, other.done = nil, true
+	other.mu.Unlock()
+	if done {
+		return errors.New("kvcache: adopt of a released page table")
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.done {
+		t.a.Release(ids)
+		return errors.New("kvcache: adopt into a released page table")
+	}
+	t.ids = append(t.ids, ids...)
+	return nil
+}
+
 // IDs are the table's pages in order. The slice is shared: do not modify
 // it, and do not use it after Release.
 func (t *Table) IDs() []int32 {

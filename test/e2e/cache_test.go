@@ -82,3 +82,49 @@ func TestPrefixCacheExact(t *testing.T) {
 		t.Errorf("after /flush_cache %v pages free", got)
 	}
 }
+
+// TestMultiTurnPD: a chat whose every turn resends the whole history moves,
+// through PD, only each turn's new pages: the decode keeps the earlier
+// turns' KV in its prefix cache and the prefill sends the rest. Outputs
+// equal a server without any cache.
+func TestMultiTurnPD(t *testing.T) {
+	shared := sharedDir(t)
+	args := append(storiesArgs(shared), pdFlags...) // 16-token pages
+	plain := serve(t, serveOpts{name: "plain", args: append(args, "--disable-radix-cache")})
+	p := serve(t, serveOpts{name: "prefill", mode: "prefill", args: args})
+	d := serve(t, serveOpts{name: "decode", mode: "decode", args: args})
+	l := lb(t, "lb", []*server{p}, []*server{d})
+	const bytesSeries = `mooncake_disagg_transfer_bytes_total{mode="prefill"}`
+	sp := map[string]any{"temperature": 0, "max_new_tokens": 8, "ignore_eos": true}
+	history := make([]int, 40)
+	for i := range history {
+		history[i] = 3 + (i*53)%500
+	}
+	var perPage float64
+	for turn := range 6 {
+		want := func() []int {
+			r, err := generate(context.Background(), plain.url, map[string]any{"input_ids": history, "sampling_params": sp})
+			mustOK(t, "plain", r, err)
+			return r.IDs
+		}()
+		before := p.metric(t, bytesSeries)
+		r, err := generate(context.Background(), l.url, map[string]any{"input_ids": history, "sampling_params": sp})
+		mustOK(t, "PD", r, err)
+		if !slices.Equal(r.IDs, want) {
+			t.Fatalf("turn %d: PD %v, without a cache %v", turn, r.IDs, want)
+		}
+		moved := p.metric(t, bytesSeries) - before
+		pages := float64((len(history) + 15) / 16)
+		if turn == 0 {
+			perPage = moved / pages // nothing held yet: every page moved
+		} else if moved > 3*perPage { // the new tokens (8 + 24) span at most 3 pages
+			t.Errorf("turn %d (%d tokens, %v pages): moved %v bytes = %.1f pages, want only the new ones", turn, len(history), pages, moved, moved/perPage)
+		}
+		t.Logf("turn %d: %d prompt tokens, %.1f pages moved", turn, len(history), moved/perPage)
+		history = append(history, r.IDs...)
+		for i := range 24 {
+			history = append(history, 3+(turn*31+i*7)%500)
+		}
+	}
+	d.waitFreePages(t, int(d.info(t)["kv_pages_total"].(float64)), 5*time.Second)
+}
