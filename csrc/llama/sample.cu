@@ -29,11 +29,20 @@
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+// The thread counts and the window are macros so that a host emulation of
+// the kernels (internal/compute/cuda/testdata/sample_emu.cpp) runs the same
+// code with one warp per block and small windows.
 #define RB 256      // the rule's block
 #define CH 4096     // ids per block of sample_adjust and sample_weights (16 rule blocks)
+#ifndef CT
 #define CT 256      // their threads
-#define WIN 4096    // candidates per window of sample_finish
+#endif
+#ifndef WIN
+#define WIN 4096    // candidates per window of sample_finish (a multiple of RB)
+#endif
+#ifndef FT
 #define FT 1024     // sample_finish's threads
+#endif
 #define MAX_RB 1024 // rule blocks per row: vocabularies up to 262144
 #define MAX_WIN (MAX_RB * RB / WIN)
 #define MAX_TOP 20
@@ -254,21 +263,23 @@ extern "C" __global__ void __launch_bounds__(CT) sample_weights(const SampleRow 
 	__shared__ float sw[CH / RB][RB + 1];
 	float *w = work + (long long)blockIdx.y * V;
 	for (int j = 0; j < CH / RB; j++) {
-		int i = base + j * RB + threadIdx.x;
-		float e = 0.0f;
-		if (i < V) {
-			e = rule_exp(__fmul_rn(__fsub_rn(w[i], m), row.inv_t));
-			w[i] = e;
+		for (int t = threadIdx.x; t < RB; t += CT) {
+			int i = base + j * RB + t;
+			float e = 0.0f;
+			if (i < V) {
+				e = rule_exp(__fmul_rn(__fsub_rn(w[i], m), row.inv_t));
+				w[i] = e;
+			}
+			sw[j][t] = e;
 		}
-		sw[j][threadIdx.x] = e;
 	}
 	__syncthreads();
-	if (threadIdx.x < CH / RB) {
-		int b = blockIdx.x * (CH / RB) + threadIdx.x;
+	for (int j = threadIdx.x; j < CH / RB; j += CT) {
+		int b = blockIdx.x * (CH / RB) + j;
 		if (b < nrb) {
 			int n = min(RB, V - b * RB);
 			double s = 0;
-			for (int q = 0; q < n; q++) s = __dadd_rn(s, (double)sw[threadIdx.x][q]);
+			for (int q = 0; q < n; q++) s = __dadd_rn(s, (double)sw[j][q]);
 			bsum[(long long)blockIdx.y * nrb + b] = s;
 		}
 	}
@@ -370,7 +381,7 @@ __device__ int fill_sorted(Fin &f, u64 *keys, u32 *hist, const float *src, int r
 	u32 prefix = 0, pmask = 0;
 	int rem = need, above = 0, eq = 0;
 	for (int shift = 24; shift >= 0; shift -= 8) {
-		if (threadIdx.x < 256) hist[threadIdx.x] = 0;
+		for (int i = threadIdx.x; i < 256; i += FT) hist[i] = 0;
 		__syncthreads();
 		for (int i = threadIdx.x; i < V; i += FT) {
 			u32 k = key_of(src, raw, i);
@@ -392,7 +403,7 @@ __device__ int fill_sorted(Fin &f, u64 *keys, u32 *hist, const float *src, int r
 	if (above + eq > WIN) {
 		int iprefix = 0, imask = 0;
 		for (int shift = 16; shift >= 0; shift -= 8) {
-			if (threadIdx.x < 256) hist[threadIdx.x] = 0;
+			for (int i = threadIdx.x; i < 256; i += FT) hist[i] = 0;
 			__syncthreads();
 			for (int i = threadIdx.x; i < V; i += FT) {
 				if ((i & imask) != iprefix || key_of(src, raw, i) != T || (hasb && comp(T, i) <= bnd)) continue;
@@ -477,11 +488,11 @@ __device__ int draw_list(Fin &f, u64 *keys, u32 *hist, double *Rs, u64 *wb, int 
 		cnt = byid ? fill_ids(f, keys, w, V, next, need, row.min_p) : fill_sorted(f, keys, hist, w, 0, V, hasb, bnd, need);
 		int nh = min(cnt, ncap - pos);
 		int nb = (nh + RB - 1) / RB;
-		if (threadIdx.x < nb) {
-			int q0 = threadIdx.x * RB, q1 = min(nh, q0 + RB);
+		for (int j = threadIdx.x; j < nb; j += FT) {
+			int q0 = j * RB, q1 = min(nh, q0 + RB);
 			double s = 0;
 			for (int q = q0; q < q1; q++) s = __dadd_rn(s, (double)comp_w(keys[q]));
-			Rs[pos / RB + threadIdx.x] = s;
+			Rs[pos / RB + j] = s;
 		}
 		if (threadIdx.x == 0) f.first = 0x7fffffff;
 		__syncthreads();
@@ -492,9 +503,9 @@ __device__ int draw_list(Fin &f, u64 *keys, u32 *hist, double *Rs, u64 *wb, int 
 				for (int j = 0; j < nb; j++) f.Pw[j] = p, p = __dadd_rn(p, Rs[pos / RB + j]);
 			}
 			__syncthreads();
-			if (threadIdx.x < nb) {
-				int q0 = threadIdx.x * RB, q1 = min(nh, q0 + RB);
-				double P = f.Pw[threadIdx.x], r = 0;
+			for (int j = threadIdx.x; j < nb; j += FT) {
+				int q0 = j * RB, q1 = min(nh, q0 + RB);
+				double P = f.Pw[j], r = 0;
 				for (int q = q0; q < q1; q++) {
 					r = __dadd_rn(r, (double)comp_w(keys[q]));
 					if (__dadd_rn(P, r) > limit) {
@@ -654,10 +665,10 @@ extern "C" __global__ void __launch_bounds__(FT) sample_finish(const SampleRow *
 		__syncthreads();
 		if (row.n_top > 0) {
 			fill_sorted(f, keys, hist, l, 1, V, false, 0, row.n_top);
-			if (threadIdx.x < row.n_top) {
-				int id = comp_id(keys[threadIdx.x]);
-				o->top_id[threadIdx.x] = id;
-				o->top_lp[threadIdx.x] = (float)((double)__fsub_rn(l[id], sm_raw) - lse);
+			for (int t = threadIdx.x; t < row.n_top; t += FT) {
+				int id = comp_id(keys[t]);
+				o->top_id[t] = id;
+				o->top_lp[t] = (float)((double)__fsub_rn(l[id], sm_raw) - lse);
 			}
 		}
 	}
