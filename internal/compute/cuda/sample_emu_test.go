@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -79,9 +80,12 @@ type emuRow struct {
 }
 
 // emuBuild compiles testdata/sample_emu.cpp with the kernels; it skips
-// without a C++20 compiler.
+// without a C++ compiler (or off x86-64).
 func emuBuild(t *testing.T) string {
 	t.Helper()
+	if runtime.GOARCH != "amd64" {
+		t.Skip("the kernel emulation switches coroutines in x86-64 assembly")
+	}
 	cxx, err := exec.LookPath("g++")
 	if err != nil {
 		if cxx, err = exec.LookPath("clang++"); err != nil {
@@ -90,12 +94,12 @@ func emuBuild(t *testing.T) string {
 	}
 	src, _ := filepath.Abs("../../../csrc/llama/sample.cu")
 	bin := filepath.Join(t.TempDir(), "sample_emu")
-	cmd := exec.Command(cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-DFT=32", "-DCT=32", "-DWIN=512",
+	// -O0: an optimiser may split one __syncthreads into a call per branch,
+	// which the emulation's check for divergent barriers (by call site)
+	// would take for divergence.
+	cmd := exec.Command(cxx, "-std=c++20", "-O0", "-ffp-contract=off", "-DWIN=512",
 		`-DSAMPLE_CU="`+src+`"`, "-Itestdata", "testdata/sample_emu.cpp", "-o", bin)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		if bytes.Contains(out, []byte("barrier")) && bytes.Contains(out, []byte("No such file")) {
-			t.Skipf("%s has no C++20 <barrier>: %s", cxx, out)
-		}
 		t.Fatalf("building the kernel emulation: %v\n%s", err, out)
 	}
 	return bin
@@ -233,8 +237,8 @@ func checkSampled(t *testing.T, what string, got compute.Sampled, want int, logi
 	}
 }
 
-// TestSampleKernelsEmulated runs sample.cu's kernels on the host (one warp
-// per block, windows of 512 so that rows span many windows) for every
+// TestSampleKernelsEmulated runs sample.cu's kernels on the host (their
+// block sizes; windows of 512 so that rows span many windows) for every
 // sampling mode over tied and smooth logits, with penalties, bias and
 // tokens handed in, over three steps (the kernels count their own tokens),
 // and checks every token against internal/sampling and the logprobs

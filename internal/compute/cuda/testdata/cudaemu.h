@@ -1,24 +1,68 @@
 // cudaemu.h: just enough of CUDA to run csrc/llama/sample.cu on the host,
-// for TestSampleKernelsEmulated: every block runs alone, its threads as OS
-// threads; blocks must be one warp (32 threads), so __syncthreads and the
-// warp intrinsics are one barrier; a thread that returns drops out of it,
-// as on a GPU. Float and double operations are the host's IEEE ones
-// (compiled with -ffp-contract=off, SSE), rounded to nearest even.
-#include <atomic>
-#include <barrier>
+// for TestSampleKernelsEmulated: every block runs alone, its threads (a
+// multiple of 32) as coroutines on one OS thread, switched at the barriers:
+// __syncthreads waits for the block, the warp intrinsics (full masks only)
+// for the warp; a thread that returns drops out of both, as on a GPU; a
+// barrier that cannot complete, or a __syncthreads that the block's threads
+// reach at different calls, aborts. Float and double operations are the
+// host's IEEE ones (compiled with -ffp-contract=off, SSE), rounded to
+// nearest even. x86-64 only.
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <functional>
 #include <vector>
 
 struct emu_dim3 {
 	unsigned x, y, z;
 };
-inline thread_local emu_dim3 threadIdx;
-inline emu_dim3 blockIdx, blockDim, gridDim;
-inline std::barrier<> *emu_bar;
-inline uint64_t emu_slot[32];
+inline emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+inline uint64_t emu_slot[1024];
+
+// The threads of a block are coroutines on one OS thread, switched by
+// emu_switch (x86-64 SysV: the callee-saved registers on the stack).
+extern "C" void emu_switch(void **save_sp, void *new_sp);
+asm(R"(
+	.text
+	.globl emu_switch
+	.type emu_switch,@function
+emu_switch:
+	pushq %rbp
+	pushq %rbx
+	pushq %r12
+	pushq %r13
+	pushq %r14
+	pushq %r15
+	movq %rsp, (%rdi)
+	movq %rsi, %rsp
+	popq %r15
+	popq %r14
+	popq %r13
+	popq %r12
+	popq %rbx
+	popq %rbp
+	ret
+)");
+
+enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
+inline void *emu_sched_sp;
+inline std::vector<void *> emu_sp;
+inline std::vector<int> emu_state;
+inline std::vector<void *> emu_site; // where each waiting thread called the barrier
+inline unsigned emu_cur;
+inline std::function<void()> emu_body;
+
+inline void emu_yield(int st) {
+	emu_state[emu_cur] = st;
+	emu_switch(&emu_sp[emu_cur], emu_sched_sp);
+}
+extern "C" inline void emu_entry() {
+	emu_body();
+	emu_yield(EMU_DONE);
+	abort(); // never resumed
+}
 
 #define __global__
 #define __device__
@@ -26,26 +70,29 @@ inline uint64_t emu_slot[32];
 #define __launch_bounds__(...)
 #define __shared__ static
 
-inline void __syncthreads() { emu_bar->arrive_and_wait(); }
+__attribute__((noinline)) inline void __syncthreads() {
+	emu_site[emu_cur] = __builtin_return_address(0);
+	emu_yield(EMU_BLOCK);
+}
 
-template <class T> inline T emu_bits(T v, int from) {
+template <class T> inline T emu_bits(T v, int lane) {
 	uint64_t u = 0;
 	std::memcpy(&u, &v, sizeof v);
 	emu_slot[threadIdx.x] = u;
-	emu_bar->arrive_and_wait();
-	u = emu_slot[from & 31];
-	emu_bar->arrive_and_wait();
+	emu_yield(EMU_WARP);
+	u = emu_slot[(threadIdx.x & ~31u) | (lane & 31)];
+	emu_yield(EMU_WARP);
 	T r;
 	std::memcpy(&r, &u, sizeof r);
 	return r;
 }
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_bits(v, threadIdx.x ^ o); }
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_bits(v, (threadIdx.x & 31) ^ o); }
 inline unsigned __ballot_sync(unsigned, int p) {
 	emu_slot[threadIdx.x] = p != 0;
-	emu_bar->arrive_and_wait();
+	emu_yield(EMU_WARP);
 	unsigned m = 0;
-	for (int i = 0; i < 32; i++) m |= (unsigned)emu_slot[i] << i;
-	emu_bar->arrive_and_wait();
+	for (int i = 0; i < 32; i++) m |= (unsigned)emu_slot[(threadIdx.x & ~31u) | i] << i;
+	emu_yield(EMU_WARP);
 	return m;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
@@ -73,23 +120,75 @@ inline int atomicMin(int *p, int v) {
 	return old;
 }
 
-// emu_launch runs kernel k over grid with threads (32) per block.
+// emu_launch runs kernel k over grid with threads (a multiple of 32, at
+// most 1024) per block. A barrier some live thread of the block (or warp)
+// never reaches is a deadlock: reported, and the process aborts.
 template <class K, class... A> void emu_launch(K k, emu_dim3 grid, unsigned threads, A... args) {
+	const size_t stack = 256 << 10;
+	static std::vector<char *> stacks;
+	while (stacks.size() < threads) stacks.push_back((char *)aligned_alloc(64, stack));
 	gridDim = grid;
 	blockDim = {threads, 1, 1};
+	emu_body = [&] { k(args...); };
+	emu_sp.assign(threads, nullptr);
+	emu_state.assign(threads, EMU_RUN);
+	emu_site.assign(threads, nullptr);
 	for (unsigned z = 0; z < grid.z; z++)
 		for (unsigned y = 0; y < grid.y; y++)
 			for (unsigned x = 0; x < grid.x; x++) {
 				blockIdx = {x, y, z};
-				std::barrier<> bar(threads);
-				emu_bar = &bar;
-				std::vector<std::thread> ts;
-				for (unsigned t = 0; t < threads; t++)
-					ts.emplace_back([&, t] {
+				for (unsigned t = 0; t < threads; t++) {
+					uintptr_t top = ((uintptr_t)stacks[t] + stack) & ~(uintptr_t)15;
+					void **sp = (void **)top;
+					*--sp = nullptr;             // the entry's return address
+					*--sp = (void *)&emu_entry; // emu_switch returns here
+					for (int r = 0; r < 6; r++) *--sp = nullptr;
+					emu_sp[t] = sp;
+					emu_state[t] = EMU_RUN;
+				}
+				for (;;) {
+					for (unsigned t = 0; t < threads; t++) {
+						if (emu_state[t] != EMU_RUN) continue;
+						emu_cur = t;
 						threadIdx = {t, 0, 0};
-						k(args...);
-						bar.arrive_and_drop();
-					});
-				for (auto &t : ts) t.join();
+						emu_switch(&emu_sched_sp, emu_sp[t]);
+					}
+					bool run = false, done = true, block = true;
+					for (unsigned w = 0; w < threads / 32; w++) {
+						bool live = false, all = true;
+						for (unsigned t = 32 * w; t < 32 * w + 32; t++) {
+							if (emu_state[t] == EMU_DONE) continue;
+							live = true;
+							all = all && emu_state[t] == EMU_WARP;
+						}
+						if (live && all) {
+							for (unsigned t = 32 * w; t < 32 * w + 32; t++)
+								if (emu_state[t] == EMU_WARP) emu_state[t] = EMU_RUN, run = true;
+						}
+					}
+					for (unsigned t = 0; t < threads; t++) {
+						if (emu_state[t] == EMU_DONE) continue;
+						done = false;
+						block = block && emu_state[t] == EMU_BLOCK;
+					}
+					if (done) break;
+					if (block) {
+						void *site = nullptr;
+						for (unsigned t = 0; t < threads; t++) {
+							if (emu_state[t] == EMU_DONE) continue;
+							if (site && emu_site[t] != site) {
+								fprintf(stderr, "emulation: divergent __syncthreads in block (%u,%u,%u)\n", x, y, z);
+								abort();
+							}
+							site = emu_site[t];
+							emu_state[t] = EMU_RUN;
+						}
+						run = true;
+					}
+					if (!run) {
+						fprintf(stderr, "emulation: deadlock in block (%u,%u,%u): threads wait at different barriers\n", x, y, z);
+						abort();
+					}
+				}
 			}
 }

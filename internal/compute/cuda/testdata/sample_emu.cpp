@@ -1,7 +1,7 @@
 // sample_emu.cpp: runs csrc/llama/sample.cu's kernels on the host through
 // cudaemu.h, for TestSampleKernelsEmulated (sample_emu_test.go writes the
 // input and checks the output against internal/sampling). Build:
-//   g++ -std=c++20 -O1 -ffp-contract=off -pthread -DFT=32 -DCT=32 -DWIN=512 \
+//   g++ -std=c++20 -O0 -ffp-contract=off -DWIN=512 \
 //       -DSAMPLE_CU='"path/to/sample.cu"' sample_emu.cpp
 // Input (little-endian int32 unless said): V, rows, steps; per row: has a
 // state, prompt length and ids, bias count, ids and float values; per step:
@@ -78,12 +78,12 @@ int main(int argc, char **argv) {
 		}
 		if (na > 0) emu_launch(sample_accept, {1, 1, 1}, 32, (const AcceptEntry *)acc.data(), na);
 		memset(res.data(), 0xff, sizeof(SampleOut) * rows);
-		emu_launch(sample_adjust, {(unsigned)nch, (unsigned)rows, 1}, 32, (const SampleRow *)params.data(),
+		emu_launch(sample_adjust, {(unsigned)nch, (unsigned)rows, 1}, CT, (const SampleRow *)params.data(),
 			   (const float *)logits.data(), work.data(), cs.data(), V, nch);
-		emu_launch(sample_weights, {(unsigned)nch, (unsigned)rows, 1}, 32, (const SampleRow *)params.data(),
+		emu_launch(sample_weights, {(unsigned)nch, (unsigned)rows, 1}, CT, (const SampleRow *)params.data(),
 			   (const float *)logits.data(), work.data(), (const ChunkStat *)cs.data(), rsum.data(), bsum.data(), V,
 			   nch, nrb);
-		emu_launch(sample_finish, {(unsigned)rows, 1, 1}, 32, (const SampleRow *)params.data(), (const float *)logits.data(),
+		emu_launch(sample_finish, {(unsigned)rows, 1, 1}, FT, (const SampleRow *)params.data(), (const float *)logits.data(),
 			   (const float *)work.data(), (const ChunkStat *)cs.data(), (const double *)rsum.data(),
 			   (const double *)bsum.data(), res.data(), V, nch, nrb);
 		fwrite(res.data(), sizeof(SampleOut), rows, out);
