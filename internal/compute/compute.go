@@ -8,6 +8,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // Seq is one sequence's share of a forward pass.
@@ -42,4 +43,59 @@ type Model interface {
 	// out[i] is untouched for the others.
 	Forward(ctx context.Context, seqs []Seq, out [][]float32) error
 	Close() error
+}
+
+// DeviceSampler is an optional Model capability (found by type assertion):
+// a forward pass that also samples, where the logits are, the next token of
+// every seq with Logits set, so that only the sampled ids and the logprobs
+// asked for reach the host. It follows internal/sampling's rule exactly:
+// for equal logits, accepted tokens, seed and step it picks the token
+// sampling.Sampler picks, and its logprobs are sampling.Logprobs' (raw:
+// log-softmax of the unpenalised logits at temperature 1) to within float32
+// rounding, the top ids equal.
+//
+// A request's device state (SamplerState) holds its parameters and seed
+// and, when logit_bias or a penalty is on, the bias and a per-token count of
+// its accepted output tokens (with the prompt's tokens marked for the
+// repetition penalty). The caller makes it once per request, passes it to
+// every pass that samples the request, and closes it when the request ends.
+// A pass counts the token it samples; tokens accepted otherwise (sampled on
+// the host, or by another server) are passed in Sample.Accept of the next
+// pass that samples the request, and counted before its draw.
+type DeviceSampler interface {
+	// NewSamplerState makes one request's device state. An error (no room,
+	// or no device sampling on this backend) means: sample this request on
+	// the host.
+	NewSamplerState(p sampling.Params, seed uint64, prompt []int32) (SamplerState, error)
+	// ForwardSample is Forward that, for every seq i with Logits set,
+	// counts samp[i].Accept into samp[i].State, samples output step
+	// samp[i].Step into res[i] and counts that token; samp[i] and res[i]
+	// of the other seqs are ignored. Accept is read during the call only.
+	// On error no token is counted for sure: the caller must end the
+	// requests of the batch.
+	ForwardSample(ctx context.Context, seqs []Seq, samp []Sample, res []Sampled) error
+}
+
+// SamplerState is one request's sampling state on a DeviceSampler.
+type SamplerState interface {
+	// Close frees the state; it must not be used again.
+	Close() error
+}
+
+// Sample is what a ForwardSample pass samples for one seq.
+type Sample struct {
+	State SamplerState
+	Step  uint64 // output step: the draw is sampling.Uniform(seed, Step)
+	// Accept are output tokens accepted since the state's last pass that
+	// it did not sample itself, counted (in order) before this draw.
+	Accept      []int32
+	Logprob     bool // return the sampled token's raw logprob
+	TopLogprobs int  // return the n most likely tokens (0..sampling.MaxTopLogprobs)
+}
+
+// Sampled is one seq's result of a ForwardSample pass.
+type Sampled struct {
+	Token   int
+	Logprob float32               // when Sample.Logprob, else 0
+	Top     []sampling.TopLogprob // when Sample.TopLogprobs > 0, else nil; a new slice
 }

@@ -59,6 +59,9 @@ type Config struct {
 	// DefaultSeed seeds requests without a seed, mixed with a per-engine
 	// request counter.
 	DefaultSeed int64
+	// HostSampling samples every token on the host even when the model can
+	// sample on the device (compute.DeviceSampler): for comparisons.
+	HostSampling bool
 
 	Logger     *zap.Logger           // nil: no logs
 	Registerer prometheus.Registerer // nil: metrics are kept but not exported

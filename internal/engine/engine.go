@@ -54,6 +54,17 @@ const eventBuffer = 16
 // sampling.Uniform(s, k); one without a seed uses DefaultSeed mixed with the
 // engine's request counter instead of s.
 //
+// Where tokens are sampled: with a model that samples on the device
+// (compute.DeviceSampler, unless Config.HostSampling), each request gets a
+// device state at admission, and a step whose every logits row belongs to
+// a request with one samples there (only ids and the logprobs asked for
+// come back); a step with any other request (its state refused) takes the
+// logits to the host and samples there. Both follow sampling's rule, so the
+// tokens are the same either way. Every accepted token also goes to the
+// request's host sampler, and the tokens a device state did not sample
+// itself (a preloaded first token, tokens of host steps) are handed to it
+// with its next device step, so the two stay in step.
+//
 // Disaggregation (Request.Prefill, Request.Preloaded):
 //   - Prefill: the prompt is reserved and run in chunks; Pages is called at
 //     admission, Chunk after every chunk, then the first token is sampled and
@@ -80,6 +91,8 @@ const eventBuffer = 16
 type Engine struct {
 	cfg       Config
 	model     compute.Model
+	ds        compute.DeviceSampler // nil: sample on the host
+	dsWarned  bool                  // a refused device state was logged at warn level
 	pages     *kvcache.Allocator
 	tok       tokenizer.Tokenizer
 	lg        *zap.Logger
@@ -106,6 +119,8 @@ type Engine struct {
 	bchunk   []int
 	outs     [][]float32
 	slab     []float32
+	bsamp    []compute.Sample
+	bres     []compute.Sampled
 	nRunning atomic.Int64
 }
 
@@ -129,6 +144,9 @@ func New(cfg Config) (*Engine, error) {
 		eos:       map[int]bool{},
 		wake:      make(chan struct{}, 1),
 		done:      make(chan struct{}),
+	}
+	if d, ok := cfg.Model.(compute.DeviceSampler); ok && !cfg.HostSampling {
+		e.ds = d
 	}
 	for _, id := range cfg.Tokenizer.EOS() {
 		e.eos[id] = true
@@ -231,6 +249,7 @@ func (e *Engine) Submit(ctx context.Context, r *Request) (_ <-chan Event, err er
 		if p := r.Params.Seed; p != nil {
 			seed = uint64(*p)
 		}
+		s.seed = seed
 		s.sampler = sampling.New(samplingParams(r.Params), seed)
 		s.sampler.SetPrompt(s.prompt)
 		e.queue = append(e.queue, s)

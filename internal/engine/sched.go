@@ -205,6 +205,7 @@ func (e *Engine) start(s *seq) {
 	e.lg.Info("request admitted", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room),
 		zap.String("mode", mode), zap.Int("prompt_tokens", len(s.prompt)), zap.Int("max_new_tokens", s.maxNew),
 		zap.Int("pages", s.table.Len()), zap.Duration("queued", now.Sub(s.submitted)))
+	e.openDevice(s)
 	switch {
 	case s.hook != nil:
 		s.state = statePrefill
@@ -223,10 +224,30 @@ func (e *Engine) start(s *seq) {
 		if s.req.Logprobs {
 			lp = pl.FirstLogprob
 		}
-		e.emit(s, pl.FirstToken, lp, pl.FirstTop)
+		e.emit(s, pl.FirstToken, lp, pl.FirstTop, false)
 	default:
 		s.state = statePrefill
 	}
+}
+
+// openDevice gives s a device sampling state when the model samples on the
+// device; without one (refused) s samples on the host.
+func (e *Engine) openDevice(s *seq) {
+	if e.ds == nil {
+		return
+	}
+	st, err := e.ds.NewSamplerState(samplingParams(s.req.Params), s.seed, s.prompt)
+	if err != nil {
+		log := e.lg.Debug
+		if !e.dsWarned {
+			e.dsWarned = true
+			log = e.lg.Warn
+		}
+		log("device sampling state refused; the request samples on the host", zap.String("rid", s.req.ID),
+			zap.Uint64("room", s.req.Room), zap.Error(err))
+		return
+	}
+	s.dev = st
 }
 
 // step runs one forward pass and handles its results.
@@ -273,20 +294,39 @@ func (e *Engine) step(ctx context.Context) error {
 	if len(e.batch) == 0 {
 		return nil
 	}
-	if need := nLogits * e.vocab; cap(e.slab) < need {
-		e.slab = make([]float32, need)
+	// On the device when every logits row's request has a device state.
+	dev := e.ds != nil && nLogits > 0
+	for i, s := range e.bseqs {
+		if e.batch[i].Logits && s.dev == nil {
+			dev = false
+		}
 	}
-	e.outs = slices.Grow(e.outs[:0], len(e.batch))[:len(e.batch)]
-	k := 0
-	for i, b := range e.batch {
-		e.outs[i] = nil
-		if b.Logits {
-			e.outs[i] = e.slab[k*e.vocab : (k+1)*e.vocab : (k+1)*e.vocab]
-			k++
+	if dev {
+		e.bsamp = slices.Grow(e.bsamp[:0], len(e.batch))[:len(e.batch)]
+		e.bres = slices.Grow(e.bres[:0], len(e.batch))[:len(e.batch)]
+		for i, s := range e.bseqs {
+			e.bsamp[i], e.bres[i] = compute.Sample{}, compute.Sampled{}
+			if e.batch[i].Logits {
+				e.bsamp[i] = compute.Sample{State: s.dev, Step: uint64(s.output), Accept: s.devPending,
+					Logprob: s.req.Logprobs, TopLogprobs: s.req.TopLogprobs}
+			}
+		}
+	} else {
+		if need := nLogits * e.vocab; cap(e.slab) < need {
+			e.slab = make([]float32, need)
+		}
+		e.outs = slices.Grow(e.outs[:0], len(e.batch))[:len(e.batch)]
+		k := 0
+		for i, b := range e.batch {
+			e.outs[i] = nil
+			if b.Logits {
+				e.outs[i] = e.slab[k*e.vocab : (k+1)*e.vocab : (k+1)*e.vocab]
+				k++
+			}
 		}
 	}
 
-	if err := e.forward(ctx); err != nil {
+	if err := e.forward(ctx, dev); err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err() // shutting down: Run aborts everyone with ErrClosed
 		}
@@ -311,8 +351,18 @@ func (e *Engine) step(ctx context.Context) error {
 	}
 	e.m.prefillTokens.Add(float64(prefillTokens))
 	e.m.decodeTokens.Add(float64(decodeTokens))
+	// The token of output step s.output: the device's, or sampled here.
+	pick := func(i int, s *seq) (int, float32, []sampling.TopLogprob) {
+		if dev {
+			s.devPending = s.devPending[:0] // counted by the pass
+			r := &e.bres[i]
+			return r.Token, r.Logprob, r.Top
+		}
+		tok := s.sampler.Sample(uint64(s.output), e.outs[i])
+		lp, top := e.logprobs(s, e.outs[i], tok)
+		return tok, lp, top
+	}
 	for i, s := range e.bseqs {
-		logits := e.outs[i]
 		if n := e.bchunk[i]; n > 0 {
 			s.prefilled += n
 			if s.hook != nil {
@@ -321,33 +371,35 @@ func (e *Engine) step(ctx context.Context) error {
 			if s.prefilled < len(s.prompt) {
 				continue
 			}
-			tok := s.sampler.Sample(uint64(s.output), logits)
+			tok, lp, top := pick(i, s)
 			s.state = stateDecode
 			s.pos = len(s.prompt)
 			s.next[0] = int32(tok)
-			lp, top := e.logprobs(s, logits, tok)
-			e.emit(s, tok, lp, top)
+			e.emit(s, tok, lp, top, dev)
 			continue
 		}
 		s.pos++
-		tok := s.sampler.Sample(uint64(s.output), logits)
+		tok, lp, top := pick(i, s)
 		s.next[0] = int32(tok)
-		lp, top := e.logprobs(s, logits, tok)
-		e.emit(s, tok, lp, top)
+		e.emit(s, tok, lp, top, dev)
 	}
 	e.compact()
 	return nil
 }
 
-// forward runs the model on the batch, turning a backend panic into an
-// error for the batch's requests rather than a crash of the server.
-func (e *Engine) forward(ctx context.Context) (err error) {
+// forward runs the model on the batch (sampling on the device when dev),
+// turning a backend panic into an error for the batch's requests rather
+// than a crash of the server.
+func (e *Engine) forward(ctx context.Context, dev bool) (err error) {
 	defer func() {
 		if r := recover(); r != nil {
 			e.lg.Error("forward pass panicked", zap.Any("panic", r), zap.Stack("stack"))
 			err = fmt.Errorf("panic: %v", r)
 		}
 	}()
+	if dev {
+		return e.ds.ForwardSample(ctx, e.batch, e.bsamp, e.bres)
+	}
 	return e.model.Forward(ctx, e.batch, e.outs)
 }
 
@@ -370,8 +422,9 @@ func (e *Engine) logprobs(s *seq, logits []float32, tok int) (float32, []samplin
 }
 
 // emit hands one output token to s: text, stop conditions, timing. It
-// finishes s if the token ends it.
-func (e *Engine) emit(s *seq, tok int, lp float32, top []sampling.TopLogprob) {
+// finishes s if the token ends it. onDevice: s's device state sampled (and
+// counted) tok.
+func (e *Engine) emit(s *seq, tok int, lp float32, top []sampling.TopLogprob, onDevice bool) {
 	now := time.Now()
 	if s.output == 0 {
 		e.m.ttft.Observe(now.Sub(s.submitted).Seconds())
@@ -381,6 +434,9 @@ func (e *Engine) emit(s *seq, tok int, lp float32, top []sampling.TopLogprob) {
 	s.lastToken = now
 	s.output++
 	s.sampler.Accept(tok)
+	if s.dev != nil && !onDevice {
+		s.devPending = append(s.devPending, int32(tok))
+	}
 	if e.cfg.Cache != nil {
 		s.outIDs = append(s.outIDs, int32(tok))
 	}
@@ -437,6 +493,12 @@ func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 	s.state = stateDone
 	if s.stopCtx != nil {
 		s.stopCtx()
+	}
+	if s.dev != nil {
+		if err := s.dev.Close(); err != nil {
+			e.lg.Error("closing the device sampling state", zap.String("rid", s.req.ID), zap.Uint64("room", s.req.Room), zap.Error(err))
+		}
+		s.dev, s.devPending = nil, nil
 	}
 	close(s.ended)
 	if c := e.cfg.Cache; c != nil {

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
@@ -43,8 +44,13 @@ type seq struct {
 	pos       int      // position of next (decode)
 	next      [1]int32 // token to feed at pos
 	output    int      // output tokens so far, and the sampling step of the next
+	seed      uint64
 	sampler   *sampling.Sampler
-	text      *textOut
+	// dev is the request's device sampling state (nil: host only);
+	// devPending the accepted tokens it has not counted yet.
+	dev        compute.SamplerState
+	devPending []int32
+	text       *textOut
 
 	submitted time.Time
 	lastToken time.Time

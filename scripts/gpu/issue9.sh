@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# issue9.sh: one device call (nvidia-h200, ~3-7 minutes) for issue 9's first
-# seams: the explicit stream, pass plans and CUDA graphs for decode.
+# issue9.sh: one device call (nvidia-h200, ~4-8 minutes) for issue 9's first
+# seams: the explicit stream, pass plans, CUDA graphs for decode, sampling
+# on the GPU.
 # Build here first, then run there with the bundle carried:
 #   GPU_TEST_PKGS=./internal/compute/cuda scripts/gpu-bundle.sh
 #   run(command="bash scripts/gpu/issue9.sh", carry=["gpu-bundle"], timeout_s=540)
@@ -11,10 +12,17 @@
 #            fallback, step timing, stories260K exactness, batch invariance
 #   3 rest   the other internal/compute/cuda tests (vs CPU, flash prefill,
 #            kernel sets, small kernels, plan tests)
-#   4 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
+#   4 sample sampling on the GPU: the GPU sampler picks the CPU sampler's
+#            token for every mode, seeds, steps, batches 1..256, vocabularies
+#            32000 and 128256, logprobs and top ids equal (TestSampleMatchesCPU);
+#            Philox and E bit for bit (TestSamplePhiloxExp); ForwardSample
+#            through sampling graphs == Forward + CPU sampler, with a host
+#            step handed back (TestForwardSampleMatchesHost)
+#   5 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
 #            batch 1/32/128 ctx 1K and batch 8 ctx 8K, the step gap, and the
-#            HBM read floor measured in the same run
-# Logs in $OUT (7 files); the summary and the bench table print last.
+#            HBM read floor measured in the same run; sampling on the host vs
+#            on the GPU (step time and gap)
+# Logs in $OUT (8 files); the summary and the bench table print last.
 set -u
 O=${OUT:-/tmp/issue9}
 mkdir -p "$O"
@@ -73,15 +81,17 @@ stage() {
 }
 
 core='TestGraph|TestStepTimes|TestStories260K|TestBatchInvariance'
+samp='TestSampleMatchesCPU|TestSamplePhiloxExp|TestForwardSampleMatchesHost'
 stage cuda 75 internal/cuda internal.cuda.test
 stage core 150 internal/compute/cuda internal.compute.cuda.test -test.run "$core"
-stage rest 110 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|TestBench|TestProfile|TestHFvsTorch"
-MOONCAKE_BENCH=1 BENCH_OUT=$O/bench.txt stage bench 130 internal/compute/cuda internal.compute.cuda.test -test.run 'TestBenchGraph8B$'
+stage rest 110 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|$samp|TestSampleKernelsEmulated|TestBench|TestProfile|TestHFvsTorch"
+stage sample 60 internal/compute/cuda internal.compute.cuda.test -test.run "$samp"
+MOONCAKE_BENCH=1 BENCH_OUT=$O/bench.txt stage bench 150 internal/compute/cuda internal.compute.cuda.test -test.run 'TestBenchGraph8B$'
 
 echo
 echo "=== key lines"
-grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture' \
-	"$O"/core.log "$O"/cuda.log 2>/dev/null | cut -c1-220 | head -40
+grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture|device sampling|sampling buffers' \
+	"$O"/core.log "$O"/cuda.log "$O"/sample.log 2>/dev/null | cut -c1-220 | head -40
 grep -hE 'loaded in|HBM read' "$O/bench.log" 2>/dev/null | cut -c1-220
 echo
 echo "=== summary"

@@ -139,6 +139,7 @@ type Backend struct {
 	graphs *graphSet  // nil: CUDA graphs off
 	gmode  int        // graphsOn, or a test's graphsOff / graphsPadded
 	tm     *stepTimer // nil unless Options.TimeSteps
+	smp    sampler    // sampling on the GPU (sample.go)
 }
 
 // New loads m onto GPU opts.Device. Errors from a missing driver wrap
@@ -220,6 +221,7 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if err = b.loadKernels(); err != nil {
 		return nil, err
 	}
+	b.loadSampler()
 	if err = b.uploadWeights(m); err != nil {
 		return nil, err
 	}
@@ -369,6 +371,7 @@ func (b *Backend) release() error {
 		errs = append(errs, ev.Destroy())
 	}
 	b.layerEv = nil
+	errs = append(errs, b.smp.release(b)...)
 	b.s.free(b)
 	for _, p := range b.allocs {
 		errs = append(errs, b.cx.MemFree(p))

@@ -13,6 +13,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/internal/model"
+	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
 
 // readBandwidth measures HBM read bandwidth (bytes/s) with the read_bw
@@ -213,8 +214,12 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
 // + KV read once at the HBM read bandwidth measured in the same run), with
 // the GPU time per step and the GPU idle gap between consecutive steps
 // (events on the stream). Step times are host wall times of Forward, the
-// logits copied to the host or not. Runs only with MOONCAKE_BENCH=1;
-// BENCH_OUT=file receives the table.
+// logits copied to the host or not. The sampling columns: temperature 0.7,
+// top_k 50, top_p 0.9 sampled on the host (Forward, then the Go sampler
+// over the rows one after the other, as the engine does) or on the GPU
+// (ForwardSample, replaying sampling graphs), and greedy on the GPU, with
+// the gap between steps. Runs only with MOONCAKE_BENCH=1; BENCH_OUT=file
+// receives the table.
 func TestBenchGraph8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
 		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
@@ -248,8 +253,8 @@ func TestBenchGraph8B(t *testing.T) {
 	}
 	kvTok := float64(cfg.Layers * 2 * cfg.KVHeads * cfg.HeadDim * 2)
 	lines := []string{fmt.Sprintf("HBM read bandwidth %.0f GB/s (4 GiB, median of 10); llama3-8b bf16, random weights and KV", bw/1e9),
-		"| batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy |",
-		"| --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
+		"| batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy | host sampling ms (gap us) | GPU sampling ms (x floor, gap us) | GPU greedy ms (gap us) |",
+		"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
 	for _, c := range runs {
 		seqs := make([]compute.Seq, c.bs)
 		for i := range seqs {
@@ -286,19 +291,21 @@ func TestBenchGraph8B(t *testing.T) {
 			t.Fatal(err)
 		}
 		st2 := b.StepTimes()
+		hostS, stH, devS, stS, devG, stG := benchSampling(t, b, seqs, out[:c.bs])
 		floor := (float64(b.WeightBytes()) + float64(c.bs)*float64(c.ctx+1)*kvTok) / bw
 		x := func(d time.Duration) float64 { return d.Seconds() / floor }
 		us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-		l := fmt.Sprintf("| %d | %d | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | %.2f (%.2fx) | %.2f | %.1f / %.1f | %.1f / %.1f |",
+		l := fmt.Sprintf("| %d | %d | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | %.2f (%.2fx) | %.2f | %.1f / %.1f | %.1f / %.1f | %.2f (%.1f) | %.2f (%.2fx, %.1f) | %.2f (%.1f) |",
 			c.bs, c.ctx, floor*1e3, ms(eager), x(eager), ms(graph), x(graph), ms(dev), x(dev),
-			ms(st.Busy)/float64(max(st.Passes, 1)), us(st.GapMean()), us(st.GapMax), us(st2.GapMean()), us(st2.GapMax))
+			ms(st.Busy)/float64(max(st.Passes, 1)), us(st.GapMean()), us(st.GapMax), us(st2.GapMean()), us(st2.GapMax),
+			ms(hostS), us(stH.GapMean()), ms(devS), x(devS), us(stS.GapMean()), ms(devG), us(stG.GapMean()))
 		lines = append(lines, l)
 		t.Log(l)
 	}
 	gs := b.GraphStats()
 	lines = append(lines, fmt.Sprintf("graphs: %+v", gs))
 	t.Log(lines[len(lines)-1])
-	if gs.Replays < 4*40 {
+	if gs.Replays < 4*80 {
 		t.Errorf("decode steps did not replay graphs: %+v", gs)
 	}
 	if d := os.Getenv("BENCH_OUT"); d != "" {
@@ -306,4 +313,65 @@ func TestBenchGraph8B(t *testing.T) {
 			t.Error(err)
 		}
 	}
+}
+
+// benchSampling times decode steps of seqs sampled on the host and on the
+// GPU (see TestBenchGraph8B), each after warm-up steps, with the gaps.
+func benchSampling(t *testing.T, b *Backend, seqs []compute.Seq, out [][]float32) (host time.Duration, hostSt StepTimes,
+	dev time.Duration, devSt StepTimes, greedy time.Duration, greedySt StepTimes) {
+	t.Helper()
+	ctx := context.Background()
+	sp := sampling.Params{Temperature: 0.7, TopK: 50, TopP: 0.9}
+	n := len(seqs)
+	cpus := make([]*sampling.Sampler, n)
+	for i := range cpus {
+		cpus[i] = sampling.New(sp, uint64(i))
+	}
+	step := uint64(0)
+	hostStep := func() error {
+		if err := b.forwardOpt(ctx, seqs, out, true); err != nil {
+			return err
+		}
+		for i, s := range cpus {
+			s.Sample(step, out[i])
+		}
+		step++
+		return nil
+	}
+	timed := func(f func() error) (time.Duration, StepTimes) {
+		for range 3 {
+			if err := f(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		b.ResetStepTimes()
+		d, err := median(f, 0, 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d, b.StepTimes()
+	}
+	host, hostSt = timed(hostStep)
+	devStep := func(p sampling.Params) func() error {
+		samp := make([]compute.Sample, n)
+		for i := range samp {
+			st, err := b.NewSamplerState(p, uint64(i), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { st.Close() })
+			samp[i] = compute.Sample{State: st}
+		}
+		res := make([]compute.Sampled, n)
+		return func() error {
+			for i := range samp {
+				samp[i].Step = step
+			}
+			step++
+			return b.ForwardSample(ctx, seqs, samp, res)
+		}
+	}
+	dev, devSt = timed(devStep(sp))
+	greedy, greedySt = timed(devStep(sampling.Params{}))
+	return
 }

@@ -88,6 +88,11 @@ func (b *Backend) forwardOpt(ctx context.Context, seqs []compute.Seq, out [][]fl
 	if b.closed {
 		return errors.New("cuda backend: closed")
 	}
+	return b.forwardLocked(ctx, seqs, out, copyLogits, nil)
+}
+
+// forwardLocked runs a pass (sampling it when job is set) under b.mu.
+func (b *Backend) forwardLocked(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool, job *sampleJob) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -96,7 +101,7 @@ func (b *Backend) forwardOpt(ctx context.Context, seqs []compute.Seq, out [][]fl
 	if err := b.cx.SetCurrent(); err != nil {
 		return err
 	}
-	err := b.forward(ctx, seqs, out, copyLogits)
+	err := b.forward(ctx, seqs, out, copyLogits, job)
 	if err != nil {
 		b.tm.broken()
 		// Leave the GPU idle whatever happened, so scratch can be reused.
@@ -107,8 +112,9 @@ func (b *Backend) forwardOpt(ctx context.Context, seqs []compute.Seq, out [][]fl
 	return err
 }
 
-// check validates seqs and returns the token count and logits rows.
-func (b *Backend) check(seqs []compute.Seq, out [][]float32) (n, m int, err error) {
+// check validates seqs and returns the token count and logits rows;
+// needOut: out must hold each logits row.
+func (b *Backend) check(seqs []compute.Seq, out [][]float32, needOut bool) (n, m int, err error) {
 	c := &b.cfg
 	l := &b.layout
 	for i, s := range seqs {
@@ -137,7 +143,7 @@ func (b *Backend) check(seqs []compute.Seq, out [][]float32) (n, m int, err erro
 			}
 		}
 		if s.Logits {
-			if i >= len(out) || len(out[i]) < c.Vocab {
+			if needOut && (i >= len(out) || len(out[i]) < c.Vocab) {
 				return 0, 0, fmt.Errorf("cuda backend: seq %d: no room for %d logits", i, c.Vocab)
 			}
 			m++
@@ -172,13 +178,16 @@ func (b *Backend) eagerBufs(p *passPlan) (*passBufs, error) {
 		part: s.part.p, lx: s.lx.p, logits: s.logits.p, meta: s.meta.p}, nil
 }
 
-func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool) error {
-	n, _, err := b.check(seqs, out)
+func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool, job *sampleJob) error {
+	n, _, err := b.check(seqs, out, job == nil)
 	if err != nil || n == 0 {
 		return err
 	}
+	if job != nil && len(job.states) == 0 {
+		job = nil
+	}
 	if b.graphs != nil && b.gmode != graphsOff && isDecode(seqs) {
-		if done, err := b.forwardDecode(ctx, seqs, out, copyLogits); done {
+		if done, err := b.forwardDecode(ctx, seqs, out, copyLogits, job); done {
 			return err
 		}
 	}
@@ -190,11 +199,27 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	if err != nil {
 		return err
 	}
+	var sb *sampleBufs
+	if job != nil {
+		if sb, err = b.eagerSampleBufs(p.m); err != nil {
+			return err
+		}
+	}
 	if err := b.begin(p, d.meta); err != nil {
 		return err
 	}
+	if job != nil {
+		if err := b.samplePrep(job, sb, p.m); err != nil {
+			return err
+		}
+	}
 	if err := b.enqueue(ctx, p, d, seqs); err != nil {
 		return err
+	}
+	if job != nil {
+		if err := errors.Join(b.sampleLaunch(sb, d.logits, p.m), b.sampleCopyOut(sb, p.m)); err != nil {
+			return err
+		}
 	}
 	return b.finish(seqs, out, p, d.logits, copyLogits)
 }

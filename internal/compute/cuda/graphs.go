@@ -46,7 +46,12 @@ const (
 	graphsPadded // decode passes padded to their shape on the arena, eager, never captured
 )
 
-type graphKey struct{ bs, splits int }
+// graphKey is a captured decode shape; sample: the pass samples on the
+// GPU (sample.go) instead of leaving the logits to the host.
+type graphKey struct {
+	bs, splits int
+	sample     bool
+}
 
 type graphSlot struct {
 	key  graphKey
@@ -187,7 +192,7 @@ func (g *graphSet) execs() int {
 // the shape's graph, or eagerly on the arena (then captured for the next
 // steps). done is false when the batch exceeds the largest bucket (the
 // caller runs it eager and packed).
-func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool) (done bool, err error) {
+func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool, job *sampleJob) (done bool, err error) {
 	g := b.graphs
 	bs, ok := bucketFor(g.buckets, len(seqs))
 	if !ok {
@@ -197,13 +202,24 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 	for i := range seqs {
 		need = max(need, g.pc.splitsFor(seqs[i].Pos))
 	}
-	k := graphKey{bs: bs, splits: splitBucket(need, g.maxSplits)}
+	k := graphKey{bs: bs, splits: splitBucket(need, g.maxSplits), sample: job != nil}
+	var sb *sampleBufs
+	if job != nil {
+		if sb, err = b.graphSampleBufs(); err != nil {
+			return true, err
+		}
+	}
 	p, err := buildPlan(&g.pc, seqs, &decodeShape{bs: k.bs, splits: k.splits})
 	if err != nil {
 		return true, err
 	}
 	if err := b.begin(p, g.bufs.meta); err != nil {
 		return true, err
+	}
+	if job != nil {
+		if err := b.samplePrep(job, sb, k.bs); err != nil {
+			return true, err
+		}
 	}
 	var ex *cu.GraphExec
 	if b.gmode == graphsOn {
@@ -222,10 +238,15 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 		}
 	}
 	if ex == nil {
-		if err := b.enqueue(ctx, p, &g.bufs, nil); err != nil {
+		if err := b.enqueueDecode(ctx, k, p); err != nil {
 			return true, err
 		}
 		g.eager++
+	}
+	if job != nil {
+		if err := b.sampleCopyOut(sb, len(job.states)); err != nil {
+			return true, err
+		}
 	}
 	if err := b.finish(seqs, out, p, g.bufs.logits, copyLogits); err != nil {
 		return true, err
@@ -234,6 +255,19 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 		b.capture(k, p)
 	}
 	return true, nil
+}
+
+// enqueueDecode enqueues decode pass p of shape k on the arena, with the
+// sampling launches when k samples (ctx nil: under capture).
+func (b *Backend) enqueueDecode(ctx context.Context, k graphKey, p *passPlan) error {
+	g := b.graphs
+	if err := b.enqueue(ctx, p, &g.bufs, nil); err != nil {
+		return err
+	}
+	if k.sample {
+		return b.sampleLaunch(b.smp.graph, g.bufs.logits, k.bs)
+	}
+	return nil
 }
 
 // capture records pass p (shape k) into a graph and installs it; a failure
@@ -246,7 +280,7 @@ func (b *Backend) capture(k graphKey, p *passPlan) {
 	var gr *cu.Graph
 	err := b.stream.BeginCapture(cu.CaptureThreadLocal)
 	if err == nil {
-		err = b.enqueue(nil, p, &g.bufs, nil)
+		err = b.enqueueDecode(nil, k, p)
 		if g.breakCapture && err == nil {
 			err = b.stream.Synchronize()
 		}
@@ -274,7 +308,7 @@ func (b *Backend) capture(k graphKey, p *passPlan) {
 	}
 	g.captures++
 	free1, _, _ := b.cx.MemGetInfo()
-	b.lg.Info("CUDA graph captured", zap.Int("batch", k.bs), zap.Int("splits", k.splits),
+	b.lg.Info("CUDA graph captured", zap.Int("batch", k.bs), zap.Int("splits", k.splits), zap.Bool("sample", k.sample),
 		zap.Int("max_context", k.splits*g.pc.split), zap.Int("nodes", nodes), zap.Duration("took", time.Since(t0)),
 		zap.Int64("device_bytes", int64(free0)-int64(free1)), zap.Int("graphs", g.execs()), zap.Int("updates", g.updates))
 }

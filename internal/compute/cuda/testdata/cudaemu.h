@@ -1,0 +1,194 @@
+// cudaemu.h: just enough of CUDA to run csrc/llama/sample.cu on the host,
+// for TestSampleKernelsEmulated: every block runs alone, its threads (a
+// multiple of 32) as coroutines on one OS thread, switched at the barriers:
+// __syncthreads waits for the block, the warp intrinsics (full masks only)
+// for the warp; a thread that returns drops out of both, as on a GPU; a
+// barrier that cannot complete, or a __syncthreads that the block's threads
+// reach at different calls, aborts. Float and double operations are the
+// host's IEEE ones (compiled with -ffp-contract=off, SSE), rounded to
+// nearest even. x86-64 only.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+struct emu_dim3 {
+	unsigned x, y, z;
+};
+inline emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+inline uint64_t emu_slot[1024];
+
+// The threads of a block are coroutines on one OS thread, switched by
+// emu_switch (x86-64 SysV: the callee-saved registers on the stack).
+extern "C" void emu_switch(void **save_sp, void *new_sp);
+asm(R"(
+	.text
+	.globl emu_switch
+	.type emu_switch,@function
+emu_switch:
+	pushq %rbp
+	pushq %rbx
+	pushq %r12
+	pushq %r13
+	pushq %r14
+	pushq %r15
+	movq %rsp, (%rdi)
+	movq %rsi, %rsp
+	popq %r15
+	popq %r14
+	popq %r13
+	popq %r12
+	popq %rbx
+	popq %rbp
+	ret
+)");
+
+enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
+inline void *emu_sched_sp;
+inline std::vector<void *> emu_sp;
+inline std::vector<int> emu_state;
+inline std::vector<void *> emu_site; // where each waiting thread called the barrier
+inline unsigned emu_cur;
+inline std::function<void()> emu_body;
+
+inline void emu_yield(int st) {
+	emu_state[emu_cur] = st;
+	emu_switch(&emu_sp[emu_cur], emu_sched_sp);
+}
+extern "C" inline void emu_entry() {
+	emu_body();
+	emu_yield(EMU_DONE);
+	abort(); // never resumed
+}
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+__attribute__((noinline)) inline void __syncthreads() {
+	emu_site[emu_cur] = __builtin_return_address(0);
+	emu_yield(EMU_BLOCK);
+}
+
+template <class T> inline T emu_bits(T v, int lane) {
+	uint64_t u = 0;
+	std::memcpy(&u, &v, sizeof v);
+	emu_slot[threadIdx.x] = u;
+	emu_yield(EMU_WARP);
+	u = emu_slot[(threadIdx.x & ~31u) | (lane & 31)];
+	emu_yield(EMU_WARP);
+	T r;
+	std::memcpy(&r, &u, sizeof r);
+	return r;
+}
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_bits(v, (threadIdx.x & 31) ^ o); }
+inline unsigned __ballot_sync(unsigned, int p) {
+	emu_slot[threadIdx.x] = p != 0;
+	emu_yield(EMU_WARP);
+	unsigned m = 0;
+	for (int i = 0; i < 32; i++) m |= (unsigned)emu_slot[(threadIdx.x & ~31u) | i] << i;
+	emu_yield(EMU_WARP);
+	return m;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+inline unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline unsigned atomicOr(unsigned *p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }
+inline int atomicMin(int *p, int v) {
+	int old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+	while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+	}
+	return old;
+}
+
+// emu_launch runs kernel k over grid with threads (a multiple of 32, at
+// most 1024) per block. A barrier some live thread of the block (or warp)
+// never reaches is a deadlock: reported, and the process aborts.
+template <class K, class... A> void emu_launch(K k, emu_dim3 grid, unsigned threads, A... args) {
+	const size_t stack = 256 << 10;
+	static std::vector<char *> stacks;
+	while (stacks.size() < threads) stacks.push_back((char *)aligned_alloc(64, stack));
+	gridDim = grid;
+	blockDim = {threads, 1, 1};
+	emu_body = [&] { k(args...); };
+	emu_sp.assign(threads, nullptr);
+	emu_state.assign(threads, EMU_RUN);
+	emu_site.assign(threads, nullptr);
+	for (unsigned z = 0; z < grid.z; z++)
+		for (unsigned y = 0; y < grid.y; y++)
+			for (unsigned x = 0; x < grid.x; x++) {
+				blockIdx = {x, y, z};
+				for (unsigned t = 0; t < threads; t++) {
+					uintptr_t top = ((uintptr_t)stacks[t] + stack) & ~(uintptr_t)15;
+					void **sp = (void **)top;
+					*--sp = nullptr;             // the entry's return address
+					*--sp = (void *)&emu_entry; // emu_switch returns here
+					for (int r = 0; r < 6; r++) *--sp = nullptr;
+					emu_sp[t] = sp;
+					emu_state[t] = EMU_RUN;
+				}
+				for (;;) {
+					for (unsigned t = 0; t < threads; t++) {
+						if (emu_state[t] != EMU_RUN) continue;
+						emu_cur = t;
+						threadIdx = {t, 0, 0};
+						emu_switch(&emu_sched_sp, emu_sp[t]);
+					}
+					bool run = false, done = true, block = true;
+					for (unsigned w = 0; w < threads / 32; w++) {
+						bool live = false, all = true;
+						for (unsigned t = 32 * w; t < 32 * w + 32; t++) {
+							if (emu_state[t] == EMU_DONE) continue;
+							live = true;
+							all = all && emu_state[t] == EMU_WARP;
+						}
+						if (live && all) {
+							for (unsigned t = 32 * w; t < 32 * w + 32; t++)
+								if (emu_state[t] == EMU_WARP) emu_state[t] = EMU_RUN, run = true;
+						}
+					}
+					for (unsigned t = 0; t < threads; t++) {
+						if (emu_state[t] == EMU_DONE) continue;
+						done = false;
+						block = block && emu_state[t] == EMU_BLOCK;
+					}
+					if (done) break;
+					if (block) {
+						void *site = nullptr;
+						for (unsigned t = 0; t < threads; t++) {
+							if (emu_state[t] == EMU_DONE) continue;
+							if (site && emu_site[t] != site) {
+								fprintf(stderr, "emulation: divergent __syncthreads in block (%u,%u,%u)\n", x, y, z);
+								abort();
+							}
+							site = emu_site[t];
+							emu_state[t] = EMU_RUN;
+						}
+						run = true;
+					}
+					if (!run) {
+						fprintf(stderr, "emulation: deadlock in block (%u,%u,%u): threads wait at different barriers\n", x, y, z);
+						abort();
+					}
+				}
+			}
+}
