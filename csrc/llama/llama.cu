@@ -778,6 +778,271 @@ extern "C" __global__ void __launch_bounds__(256) gemv_tout(bf16_t *Y, const bf1
 	int out, int in, float beta) {
 	gemv_rows<bf16_t>(Y, X, W, n, out, in, beta);
 }
+
+// gemv2_*: the decode GEMVs of the fused layer (n <= GEMV_MAXN tokens). Each
+// warp computes a unit of two weight rows (16-byte streaming loads, 8 in
+// flight per lane), units spread over a grid of any size (grid-stride), and
+// finishes the unit in its epilogue:
+//   G2_PLAIN  Y[t][r] = dot (+ beta*Y), rows (2u, 2u+1), f32 out
+//   G2_ROPE   rows (ia, ib) of one rotated pair of a q or k head, or two
+//             adjacent v rows: bias, RoPE at pos[t], q to q[t], k and v into
+//             the KV cache at slot[t] (none when slot < 0): rope_kv fused
+//   G2_SILU   rows (i, hidden+i) of the gate/up matrix: h[t][i] =
+//             silu(g)*u with g, u rounded to T first: silu_mul fused
+// With NORM the block first writes rmsnorm(x[rows[t]]) * normw as T into
+// shared memory ([n][in], n*in*2 bytes dynamic) and the GEMV reads X there:
+// rmsnorm fused. Its sum of squares runs over the first vt threads in the
+// order rmsnorm uses with vt threads, so with vt == rmsThreads(in) every
+// output equals rmsnorm + gemv_* (+ rope_kv / silu_mul) bit for bit. Each
+// lane sums its chunks lane, lane+32, ... in order, as gemv_rows does.
+// Block G2_THREADS threads; in % 8 == 0.
+#define G2_THREADS 256
+#define G2_PLAIN 0
+#define G2_ROPE 1
+#define G2_SILU 2
+struct g2_args {
+	const bf16_t *W;
+	const bf16_t *X;      // !NORM: [n][in] in global memory
+	const float *x;       // NORM: f32 rows, gathered by rows (or 0: row t)
+	const float *normw;   // NORM: [in]
+	const int *rows;
+	float *Y;             // G2_PLAIN
+	bf16_t *q, *kc, *vc;  // G2_ROPE
+	const float *bias;    // G2_ROPE, may be 0
+	const int *pos;
+	const long long *slot;
+	const float2 *tab;
+	const double *inv_freq;
+	bf16_t *h;            // G2_SILU
+	int n, out, in, vt, ntab, nheads, nkv, interleaved;
+	float beta, eps;
+};
+
+// g2_rows maps unit u to its two weight rows (r1 < 0: none).
+template <int MODE>
+__device__ __forceinline__ void g2_rows(const g2_args &a, int u, int &r0, int &r1) {
+	if (MODE == G2_PLAIN) {
+		r0 = 2 * u;
+		r1 = r0 + 1 < a.out ? r0 + 1 : -1;
+	} else if (MODE == G2_SILU) {
+		r0 = u;
+		r1 = a.out + u;
+	} else {
+		const int half = HEAD_DIM / 2;
+		int npairs = (a.nheads + a.nkv) * half;
+		if (u < npairs) {
+			int hh = u / half, i = u - hh * half, base = hh * HEAD_DIM;
+			if (a.interleaved) {
+				r0 = base + 2 * i;
+				r1 = r0 + 1;
+			} else {
+				r0 = base + i;
+				r1 = base + i + half;
+			}
+		} else {
+			r0 = (a.nheads + a.nkv) * HEAD_DIM + 2 * (u - npairs);
+			r1 = r0 + 1;
+		}
+	}
+}
+
+template <int MODE>
+__device__ __forceinline__ void g2_epilogue(const g2_args &a, int u, int r0, int r1, int t, float v0, float v1) {
+	if (MODE == G2_PLAIN) {
+		long long i0 = (long long)t * a.out + r0;
+		if (a.beta != 0.f) v0 = v0 + a.beta * a.Y[i0];
+		a.Y[i0] = v0;
+		if (r1 >= 0) {
+			if (a.beta != 0.f) v1 = v1 + a.beta * a.Y[i0 + 1];
+			a.Y[i0 + 1] = v1;
+		}
+	} else if (MODE == G2_SILU) {
+		float g = bf2f(f2bf(v0)), up = bf2f(f2bf(v1));
+		a.h[(long long)t * a.out + u] = f2bf(g * (1.0f / (1.0f + expf(-g))) * up);
+	} else {
+		const int half = HEAD_DIM / 2;
+		int QD = a.nheads * HEAD_DIM, KVD = a.nkv * HEAD_DIM;
+		int npairs = (a.nheads + a.nkv) * half;
+		if (a.bias) {
+			v0 += a.bias[r0];
+			v1 += a.bias[r1];
+		}
+		long long s = a.slot[t];
+		if (u >= npairs) {
+			if (s >= 0) {
+				st(a.vc, s + (r0 - QD - KVD), v0);
+				st(a.vc, s + (r1 - QD - KVD), v1);
+			}
+			return;
+		}
+		int i = u % half, p = a.pos[t];
+		float c, sv;
+		if (p < a.ntab) {
+			float2 cs = a.tab[(long long)p * half + i];
+			c = cs.x;
+			sv = cs.y;
+		} else {
+			double an = (double)p * a.inv_freq[i];
+			c = (float)cos(an);
+			sv = (float)sin(an);
+		}
+		float ra = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, sv));
+		float rb = __fadd_rn(__fmul_rn(v0, sv), __fmul_rn(v1, c));
+		if (r0 < QD) {
+			st(a.q, (long long)t * QD + r0, ra);
+			st(a.q, (long long)t * QD + r1, rb);
+		} else if (s >= 0) {
+			st(a.kc, s + (r0 - QD), ra);
+			st(a.kc, s + (r1 - QD), rb);
+		}
+	}
+}
+
+// g2_norm writes rmsnorm(x[rows[t]]) * normw for t < n into xs as T.
+__device__ __forceinline__ void g2_norm(const g2_args &a, bf16_t *xs, float *red) {
+	int nc = a.in >> 3;
+	for (int t = 0; t < a.n; t++) {
+		int src = a.rows ? a.rows[t] : t;
+		const float *xr = a.x + (long long)src * a.in;
+		float ss = 0.f;
+		if ((int)threadIdx.x < a.vt) {
+			for (int c = threadIdx.x; c < nc; c += a.vt) {
+				float v[8];
+				load8(xr + c * 8, v);
+#pragma unroll
+				for (int e = 0; e < 8; e++) ss += v[e] * v[e];
+			}
+		}
+		ss = block_sum(ss, red);
+		float sc = 1.0f / sqrtf(ss / (float)a.in + a.eps);
+		for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+			float v[8], w[8], o[8];
+			load8(xr + c * 8, v);
+			load8(a.normw + c * 8, w);
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[e] = w[e] * (sc * v[e]);
+			store8(xs + (long long)t * a.in + c * 8, o);
+		}
+	}
+	__syncthreads();
+}
+
+// g2_fma accumulates one 8-element chunk of two rows against X's chunk.
+template <bool NORM>
+__device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c, uint4 wa, uint4 wb, float *acc0,
+	float *acc1) {
+	float fa[8], fb[8];
+	unpack8(wa, fa);
+	unpack8(wb, fb);
+#pragma unroll
+	for (int t = 0; t < GEMV_MAXN; t++) {
+		if (t < a.n) {
+			float xf[8];
+			if (NORM)
+				unpack8(*(const uint4 *)(xs + (long long)t * a.in + c * 8), xf);
+			else
+				load8(a.X + (long long)t * a.in + c * 8, xf);
+#pragma unroll
+			for (int e = 0; e < 8; e++) acc0[t] = fmaf(fa[e], xf[e], acc0[t]);
+#pragma unroll
+			for (int e = 0; e < 8; e++) acc1[t] = fmaf(fb[e], xf[e], acc1[t]);
+		}
+	}
+}
+
+template <int MODE, bool NORM>
+__device__ __forceinline__ void gemv2(const g2_args &a, int units) {
+	extern __shared__ __align__(16) unsigned char g2_smem[];
+	__shared__ float red[32];
+	bf16_t *xs = (bf16_t *)g2_smem;
+	int lane = threadIdx.x & 31;
+	int gw = blockIdx.x * (G2_THREADS / 32) + (threadIdx.x >> 5), nw = gridDim.x * (G2_THREADS / 32);
+	int nc = a.in >> 3;
+	if (NORM) {
+		// Start the first unit's weights towards L2 while the block
+		// normalises x (the GEMV waits for that).
+		if (gw < units) {
+			int r0, r1;
+			g2_rows<MODE>(a, gw, r0, r1);
+			const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+#pragma unroll
+			for (int u4 = 0; u4 < 4; u4++) {
+				int c = lane + 32 * u4;
+				if (c < nc) {
+					asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
+					asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
+				}
+			}
+		}
+		g2_norm(a, xs, red);
+	}
+	for (int u = gw; u < units; u += nw) {
+		int r0, r1;
+		g2_rows<MODE>(a, u, r0, r1);
+		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+		float acc0[GEMV_MAXN], acc1[GEMV_MAXN];
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++) acc0[t] = acc1[t] = 0.f;
+		int c = lane;
+		for (; c + 96 < nc; c += 128) {
+			uint4 wa[4], wb[4];
+#pragma unroll
+			for (int u4 = 0; u4 < 4; u4++) {
+				wa[u4] = ldg_stream(w0 + (c + 32 * u4) * 8);
+				wb[u4] = ldg_stream(w1 + (c + 32 * u4) * 8);
+			}
+#pragma unroll
+			for (int u4 = 0; u4 < 4; u4++) g2_fma<NORM>(a, xs, c + 32 * u4, wa[u4], wb[u4], acc0, acc1);
+		}
+		for (; c < nc; c += 32) g2_fma<NORM>(a, xs, c, ldg_stream(w0 + c * 8), ldg_stream(w1 + c * 8), acc0, acc1);
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++) {
+			for (int o = 16; o > 0; o >>= 1) {
+				acc0[t] += __shfl_xor_sync(0xffffffffu, acc0[t], o);
+				acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], o);
+			}
+		}
+		// Every lane holds every sum (a butterfly adds the same two values
+		// on both partners); lane t finishes token t.
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++)
+			if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, r0, r1, t, acc0[t], acc1[t]);
+	}
+}
+
+// gemv2_plain: Y[t] (f32) = X[t] . W^T + beta*Y[t], X in global memory (wo, w2).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, const bf16_t *X, const bf16_t *W,
+	int n, int out, int in, float beta) {
+	g2_args a = {};
+	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
+	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
+}
+// gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
+	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.rows = rows, a.Y = Y, a.n = n, a.out = out, a.in = in, a.vt = vt, a.eps = eps;
+	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
+}
+// gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
+// write (rope_kv's arguments, in = dim).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkv(bf16_t *q, bf16_t *kc, bf16_t *vc, const float *x,
+	const float *normw, const bf16_t *W, const float *bias, const int *pos, const long long *slot, const float2 *tab,
+	const double *inv_freq, int ntab, int n, int in, int vt, float eps, int nheads, int nkv, int interleaved) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.q = q, a.kc = kc, a.vc = vc, a.bias = bias, a.pos = pos, a.slot = slot;
+	a.tab = tab, a.inv_freq = inv_freq, a.ntab = ntab, a.n = n, a.in = in, a.vt = vt, a.eps = eps;
+	a.nheads = nheads, a.nkv = nkv, a.interleaved = interleaved;
+	gemv2<G2_ROPE, true>(a, (nheads + nkv) * (HEAD_DIM / 2) + nkv * HEAD_DIM / 2);
+}
+// gemv2_silu: the MLP's rmsnorm, gate/up GEMV and SiLU-multiply: h[t] (T,
+// [hidden]) from W = [gate; up] ([2*hidden][in]).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_silu(bf16_t *h, const float *x, const float *normw,
+	const bf16_t *W, int n, int hidden, int in, int vt, float eps) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.h = h, a.n = n, a.out = hidden, a.in = in, a.vt = vt, a.eps = eps;
+	gemv2<G2_SILU, true>(a, hidden);
+}
 #endif // USE_BF16
 
 #if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)
@@ -908,6 +1173,147 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(float *part_o, flo
 		if (d == 0) {
 			part_ml[base * 2] = mls[h][0];
 			part_ml[base * 2 + 1] = mls[h][1];
+		}
+	}
+}
+#endif
+
+#if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)
+// attn_decode2: attn_decode's split-K decode attention in one pass over the
+// split's keys (same arguments, but scale_log2 = log2(e)/sqrt(HEAD_DIM) in
+// place of div; same partial layout and fixed split). D2_L lanes read one
+// key's 16-byte chunks; each of the D2_SLOTS key slots of the block (a group
+// of D2_L lanes) streams keys slot, slot + D2_SLOTS, ... with an online
+// softmax, loading D2_U keys' K and V rows at once (2*D2_U 16-byte loads in
+// flight per lane); the GQA_GROUP query heads share every load. The slots'
+// states merge in shared memory in slot order, so the result depends only on
+// the sequence. part_ml holds m in natural-log units, as attn_combine reads.
+#define D2_L (HEAD_DIM / 8)
+#define D2_KPW (32 / D2_L)
+#define D2_WARPS 4
+#define D2_SLOTS (D2_WARPS * D2_KPW)
+#define D2_U 4
+extern "C" __global__ void __launch_bounds__(D2_WARPS * 32) attn_decode2(float *part_o, float *part_ml, const T *q,
+	const T *kc, const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size,
+	int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
+	__shared__ __align__(16) float os[D2_SLOTS][GQA_GROUP][HEAD_DIM];
+	__shared__ float ms[D2_SLOTS][GQA_GROUP], ls[D2_SLOTS][GQA_GROUP];
+	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
+	int npos = pos[qi] + 1;
+	int k0 = split * ATT_SPLIT;
+	if (k0 >= npos) return;
+	int len = min(ATT_SPLIT, npos - k0);
+	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
+	int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	int sub = lane / D2_L, c = lane % D2_L, slot = warp * D2_KPW + sub;
+	// Powers of two (the usual page sizes) index pages by shift and mask.
+	int pshift = -1;
+	if ((page_size & (page_size - 1)) == 0)
+		for (pshift = 0; (1 << pshift) < page_size; pshift++) {
+		}
+	const int *pt = pages + ptoff[qi];
+	const T *qb = q + (long long)qrow[qi] * QD + (long long)g * GQA_GROUP * HEAD_DIM + c * 8;
+	float qv[GQA_GROUP][8];
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) {
+		load8(qb + h * HEAD_DIM, qv[h]);
+#pragma unroll
+		for (int e = 0; e < 8; e++) qv[h][e] *= scale_log2;
+	}
+	const long long goff = (long long)g * HEAD_DIM + c * 8;
+	float m[GQA_GROUP], l[GQA_GROUP], o[GQA_GROUP][8];
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) {
+		m[h] = NEG_INF;
+		l[h] = 0.f;
+#pragma unroll
+		for (int e = 0; e < 8; e++) o[h][e] = 0.f;
+	}
+	for (int jb = 0; jb < len; jb += D2_U * D2_SLOTS) {
+		// Keys past the split's end load its last key again (no branch, so
+		// every load is in flight at once) and are masked below.
+		int key[D2_U], pp[D2_U];
+#pragma unroll
+		for (int u = 0; u < D2_U; u++) {
+			key[u] = k0 + min(jb + u * D2_SLOTS + slot, len - 1);
+			pp[u] = pt[pshift >= 0 ? key[u] >> pshift : key[u] / page_size];
+		}
+		uint4 kr[D2_U], vr[D2_U];
+#pragma unroll
+		for (int u = 0; u < D2_U; u++) {
+			int in = pshift >= 0 ? key[u] & (page_size - 1) : key[u] % page_size;
+			long long off = ((long long)pp[u] * page_size + in) * KVD + goff;
+			kr[u] = *(const uint4 *)(kc + off);
+			vr[u] = *(const uint4 *)(vc + off);
+		}
+		float s[D2_U][GQA_GROUP];
+#pragma unroll
+		for (int u = 0; u < D2_U; u++) {
+			float kf[8];
+			unpack8(kr[u], kf);
+			bool ok = jb + u * D2_SLOTS + slot < len;
+#pragma unroll
+			for (int h = 0; h < GQA_GROUP; h++) {
+				float a = 0.f;
+#pragma unroll
+				for (int e = 0; e < 8; e++) a = fmaf(qv[h][e], kf[e], a);
+#pragma unroll
+				for (int x = D2_L / 2; x > 0; x >>= 1) a += __shfl_xor_sync(0xffffffffu, a, x);
+				s[u][h] = ok ? a : NEG_INF;
+			}
+		}
+#pragma unroll
+		for (int h = 0; h < GQA_GROUP; h++) {
+			float mx = m[h];
+#pragma unroll
+			for (int u = 0; u < D2_U; u++) mx = fmaxf(mx, s[u][h]);
+			if (mx == NEG_INF) continue; // no key of this slot yet
+			float sc = exp2f(m[h] - mx);
+			l[h] *= sc;
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[h][e] *= sc;
+#pragma unroll
+			for (int u = 0; u < D2_U; u++) {
+				float p = exp2f(s[u][h] - mx), vf[8];
+				unpack8(vr[u], vf);
+				l[h] += p;
+#pragma unroll
+				for (int e = 0; e < 8; e++) o[h][e] = fmaf(p, vf[e], o[h][e]);
+			}
+			m[h] = mx;
+		}
+	}
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) {
+		float4 lo, hi;
+		lo.x = o[h][0], lo.y = o[h][1], lo.z = o[h][2], lo.w = o[h][3];
+		hi.x = o[h][4], hi.y = o[h][5], hi.z = o[h][6], hi.w = o[h][7];
+		float4 *dst = (float4 *)&os[slot][h][c * 8];
+		dst[0] = lo;
+		dst[1] = hi;
+		if (c == 0) {
+			ms[slot][h] = m[h];
+			ls[slot][h] = l[h];
+		}
+	}
+	__syncthreads();
+	for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += blockDim.x) {
+		int h = i / HEAD_DIM, d = i % HEAD_DIM;
+		float M = NEG_INF;
+#pragma unroll
+		for (int s2 = 0; s2 < D2_SLOTS; s2++) M = fmaxf(M, ms[s2][h]);
+		float a = 0.f, L = 0.f;
+#pragma unroll
+		for (int s2 = 0; s2 < D2_SLOTS; s2++) {
+			float f = exp2f(ms[s2][h] - M); // 0 for a slot that saw no key
+			a = fmaf(os[s2][h][d], f, a);
+			L = fmaf(ls[s2][h], f, L);
+		}
+		long long base = ((long long)z * nheads + g * GQA_GROUP + h) * nsplit + split;
+		part_o[base * HEAD_DIM + d] = a;
+		if (d == 0) {
+			part_ml[base * 2] = M * 0.69314718055994531f;
+			part_ml[base * 2 + 1] = L;
 		}
 	}
 }

@@ -282,6 +282,11 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		return
 	}
 	b := r.b
+	if yF32 && b.fused(n) && in%8 == 0 {
+		f := b.fn.g2Plain
+		r.launch(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), 0, y, x, w, int32(n), int32(out), int32(in), beta)
+		return
+	}
 	if !b.opts.BatchInvariant && n <= b.fn.gemvMax && b.fn.gemvF32 != nil && in%8 == 0 {
 		f := b.fn.gemvT
 		if yF32 {
@@ -312,6 +317,13 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		C: uint64(y), CType: yt, LDC: out, Compute: comp})
 }
 
+// fused reports whether a pass of n token rows runs the fused decode layer
+// (gemv2_*: rmsnorm, RoPE with the KV write and SiLU-multiply inside the
+// GEMVs).
+func (b *Backend) fused(n int) bool {
+	return b.fn.g2QKV != nil && !b.opts.BatchInvariant && n <= b.fn.gemvMax
+}
+
 // partBudget bounds the split-K attention's partial results per launch of
 // an eager pass (graphPartBudget: of a captured one).
 const partBudget = 256 << 20
@@ -339,6 +351,9 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	div := float32(math.Sqrt(float64(hd)))
 	layerBytes := cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes()))
 	rmsT := rmsThreads(dim)
+	fused := b.fused(n)
+	vt := rmsVT(dim)
+	xsmem := uint32(n * dim * 2) // gemv2's normalised x, n rows of T
 	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
 	siluY := siluBlocks(hid)
 	qchunk := p.qchunk
@@ -358,10 +373,17 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		w := &b.w.layers[li]
 		kc := b.kvBase + cu.DevicePtr(2*li)*layerBytes
 		vc := kc + layerBytes
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
-		r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
-		r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, d.q, kc, vc, d.qkv, w.bqkv,
-			meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), interleaved)
+		if fused {
+			f := b.fn.g2QKV
+			r.launch(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
+				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), vt, c.NormEps,
+				int32(c.Heads), int32(c.KVHeads), interleaved)
+		} else {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
+			r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
+			r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, d.q, kc, vc, d.qkv, w.bqkv,
+				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), interleaved)
+		}
 		if hooked && r.err == nil {
 			if err := b.reportLayer(st, seqs, li); err != nil {
 				return fmt.Errorf("cuda backend: layer %d: %w", li, err)
@@ -379,26 +401,41 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		}
 		for q0 := 0; q0 < p.ng; q0 += qchunk {
 			cnt := uint32(min(qchunk, p.ng-q0))
-			af, at := b.fn.attnSplit, uint32(b.fn.attThreads)
-			if b.fn.attnDecode != nil {
+			af, at, last := b.fn.attnSplit, uint32(b.fn.attThreads), div
+			if b.fn.attnDecode2 != nil {
+				af, at, last = b.fn.attnDecode2, 128, scaleLog2
+			} else if b.fn.attnDecode != nil {
 				af, at = b.fn.attnDecode, 128
 			}
 			r.launch(af, cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}, cu.D1(at), 0,
 				d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
-				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0), div)
+				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0), last)
 			r.launch(b.fn.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(b.fn.combineThreads)), 0,
 				d.att, d.part, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
 		}
 		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
-		r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
-		r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
+		if fused {
+			f := b.fn.g2SiLU
+			r.launch(f, b.g2Grid(f, hid), cu.D1(g2Threads), xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
+				int32(dim), vt, c.NormEps)
+		} else {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
+			r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
+			r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
+		}
 		r.gemm(d.x, true, d.h, w.w2, n, dim, hid, 1)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: layer %d: %w", li, r.err)
 		}
 	}
-	if m > 0 {
+	if m > 0 && b.fused(m) {
+		f := b.fn.g2Norm
+		r.launch(f, b.g2Grid(f, (c.Vocab+1)/2), cu.D1(g2Threads), uint32(m*dim*2), d.logits, d.x, b.w.norm,
+			meta(p.lrows), b.w.lmHead, int32(m), int32(c.Vocab), int32(dim), vt, c.NormEps)
+		if r.err != nil {
+			return fmt.Errorf("cuda backend: logits: %w", r.err)
+		}
+	} else if m > 0 {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsT), 0, d.lx, d.x, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
 		r.gemm(d.logits, true, d.lx, b.w.lmHead, m, c.Vocab, dim, 0)
 		if r.err != nil {

@@ -1,0 +1,111 @@
+package cuda
+
+import (
+	"testing"
+
+	"github.com/mooncake-go/mooncake-go/internal/model"
+)
+
+// TestFusedDecode checks the fused decode layer (gemv2_*: rmsnorm, RoPE with
+// the KV write and SiLU-multiply inside the GEMVs) and attn_decode2 against
+// the separate kernels, in bfloat16, over prefill and decode steps at batch
+// sizes 1 to 4 (the fused path, graphs on: buckets 1, 2, 4, 4) and 6 (cuBLAS,
+// bucket 8): the fused GEMVs with the old attention must give the old
+// kernels' logits bit for bit (these dims reduce rmsnorm in its own order);
+// the new attention must stay near them. Shapes: head dims 8 to 128,
+// interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
+// that the GEMV cannot read (172).
+func TestFusedDecode(t *testing.T) {
+	type shape struct {
+		name string
+		m    func(*testing.T) *model.Model
+	}
+	random := func(name string) func(*testing.T) *model.Model {
+		return func(t *testing.T) *model.Model {
+			m, err := model.NewRandom(name, 17)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m
+		}
+	}
+	shapes := []shape{
+		{"headdim128", headDim128},
+		{"tiny", random("tiny")},
+		{"tiny-qwen2", random("tiny-qwen2")},
+		{"tiny-llama3", random("tiny-llama3")},
+		{"stories260K", func(t *testing.T) *model.Model { m, _ := stories260K(t); return m }},
+	}
+	for _, sh := range shapes {
+		t.Run(sh.name, func(t *testing.T) {
+			m := sh.m(t)
+			V := m.Config.Vocab
+			groups := []int{1, 2, 3, 4, 6}
+			const per, steps = 12, 9 // pages of 16: 192 positions per seq
+			total := 0
+			for _, g := range groups {
+				total += g
+			}
+			o := Options{DType: "bfloat16", PageSize: 16, Pages: total * per}
+			mk := func(tu tuning) *Backend {
+				o := o
+				o.tune = tu
+				return newOrSkip(t, m, o)
+			}
+			old := mk(tuning{noFused: true, decodeV1: true})
+			fusedOld := mk(tuning{decodeV1: true})
+			nw := mk(tuning{})
+			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
+				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
+			}
+			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil {
+				t.Fatal("the old-kernels backend loaded new kernels")
+			}
+			if nw.fn.attnDecode2 == nil {
+				t.Fatal("attn_decode2 not loaded")
+			}
+			r := newRand(uint64(len(sh.name)))
+			base := 0
+			for _, n := range groups {
+				prompts := make([][]int32, n)
+				for i := range prompts {
+					prompts[i] = randPrompt(r, 5+37*i%140, V)
+				}
+				res := lockstep(t, []*Backend{old, fusedOld, nw}, prompts, base, per, steps)
+				base += n
+				if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
+					t.Errorf("batch %d: fused GEMVs vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+				}
+				d, rel, am := compareSteps(res[0], res[2])
+				t.Logf("batch %d: fused + attn_decode2 vs old kernels: max abs diff %.3g, rel %.3g, %d greedy tokens differ", n, d, rel, am)
+				if !(rel <= 2e-2) {
+					t.Errorf("batch %d: new kernels vs old: relative error %g > 2e-2", n, rel)
+				}
+			}
+		})
+	}
+}
+
+func TestResidentBlocks(t *testing.T) {
+	for _, c := range []struct{ threads, regs, smem, perSM, want int }{
+		{256, 64, 0, 233472, 4},          // 64 regs: 16K per block
+		{256, 70, 0, 233472, 3},          // 70 regs round to 72
+		{256, 72, 32 << 10, 233472, 3},   // 72 regs: 18K per block
+		{256, 32, 100 << 10, 233472, 2},  // shared memory bound
+		{128, 128, 16640, 233472, 4},     // attn_decode2
+		{256, 255, 200 << 10, 233472, 1}, // never 0
+	} {
+		if got := residentBlocks(c.threads, c.regs, c.smem, c.perSM); got != c.want {
+			t.Errorf("residentBlocks(%d, %d, %d, %d) = %d, want %d", c.threads, c.regs, c.smem, c.perSM, got, c.want)
+		}
+	}
+	if got := rmsVT(4096); got != 256 {
+		t.Errorf("rmsVT(4096) = %d, want 256", got)
+	}
+	if got := rmsVT(8192); got != 256 {
+		t.Errorf("rmsVT(8192) = %d, want 256 (capped at the block)", got)
+	}
+	if got := rmsVT(64); got != 32 {
+		t.Errorf("rmsVT(64) = %d, want 32", got)
+	}
+}
