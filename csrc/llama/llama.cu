@@ -1043,6 +1043,264 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_silu(bf16_t *h, c
 	a.W = W, a.x = x, a.normw = normw, a.h = h, a.n = n, a.out = hidden, a.in = in, a.vt = vt, a.eps = eps;
 	gemv2<G2_SILU, true>(a, hidden);
 }
+
+// gemm_sk_*: the decode GEMMs of 5..32 tokens (skinny: Y = X . W^T with X
+// [n][in] bf16 in global memory), streaming the weights once at HBM speed
+// through bf16 tensor cores (mma.sync m16n8k16, f32 accumulation). A block
+// of 8 warps owns 128 weight rows (16 per warp: the m16 tile) and a range of
+// k; each lane loads 16-byte runs of its two rows straight into A fragments
+// (the k order inside a 32-wide group is permuted, the same way for A and
+// B, which a dot product allows), the next 128-k chunk in flight while the
+// current one computes; the X chunk ([32 tokens][128 k]) is staged in shared
+// memory by cp.async, double-buffered. Grid (row blocks, S k-splits): each
+// split's partial tile goes to part, and the last split of a row block (a
+// counter, reset after) adds them in split order, so results do not depend
+// on timing. Epilogues as gemv2's: SK_PLAIN Y (f32) = . + beta*Y; SK_ROPE
+// bias, RoPE, q and the KV write (128 % HEAD_DIM == 0: a head never spans
+// two row blocks); SK_SILU h = silu(g)*u (block rb: gate rows 64rb.. and up
+// rows hidden+64rb..; hidden % 64 == 0). in % 8 == 0, n <= 32.
+#define SK_ROWS 128
+#define SK_KC 128
+#define SK_NT 4
+#define SK_XS (SK_KC + 32)
+#define SK_CS (SK_NT * 8 + 1)
+#define SK_PLAIN 0
+#define SK_ROPE 1
+#define SK_SILU 2
+__device__ __forceinline__ void sk_mma(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+		     "{%0,%1,%2,%3};\n"
+		     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+		     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float ld_cg(const float *p) {
+	float v;
+	asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+	return v;
+}
+struct sk_args {
+	const bf16_t *W, *X;
+	float *Y;
+	bf16_t *q, *kc, *vc, *h;
+	const float *bias;
+	const int *pos;
+	const long long *slot;
+	const float2 *tab;
+	const double *inv_freq;
+	float *part;
+	int *cnt;
+	int n, out, in, cps, ntab, nheads, nkv, interleaved;
+	float beta;
+};
+
+template <int MODE>
+__device__ __forceinline__ void gemm_sk(const sk_args &a) {
+	__shared__ __align__(16) bf16_t xs[2][SK_NT * 8][SK_XS];
+	__shared__ float cs[SK_ROWS][SK_CS];
+	__shared__ int last;
+	int rb = blockIdx.x, ks = blockIdx.y, S = gridDim.y;
+	int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+	int nt = (a.n + 7) >> 3;
+	int nchunk = (a.in + SK_KC - 1) / SK_KC;
+	int c0 = ks * a.cps, c1 = min(c0 + a.cps, nchunk);
+	int wr = MODE == SK_SILU ? (warp < 4 ? rb * 64 + 16 * warp : a.out + rb * 64 + 16 * (warp - 4)) : rb * SK_ROWS + 16 * warp;
+	int rows = MODE == SK_SILU ? 2 * a.out : a.out;
+	bool va = wr + gid < rows, vb = wr + gid + 8 < rows;
+	const bf16_t *wa = a.W + (long long)(va ? wr + gid : 0) * a.in;
+	const bf16_t *wb = a.W + (long long)(vb ? wr + gid + 8 : 0) * a.in;
+	float acc[SK_NT][4];
+#pragma unroll
+	for (int t = 0; t < SK_NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+	// stage: chunk c of X into xs[st] (tokens past n and k past in: zeros).
+	auto stage = [&](int c, int st) {
+		int k0 = c * SK_KC;
+		for (int i = tid; i < nt * 8 * (SK_KC / 8); i += blockDim.x) {
+			int tok = i / (SK_KC / 8), piece = i % (SK_KC / 8), k = k0 + piece * 8;
+			bool ok = tok < a.n && k < a.in;
+			const bf16_t *src = a.X + (ok ? (long long)tok * a.in + k : 0);
+			asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(&xs[st][tok][piece * 8])),
+				"l"(src), "r"(ok ? 16 : 0));
+		}
+		asm volatile("cp.async.commit_group;\n" ::);
+	};
+	auto loadw = [&](int c, uint4 *w) {
+		int k0 = c * SK_KC;
+#pragma unroll
+		for (int j = 0; j < 4; j++) {
+			int k = k0 + 32 * j + 8 * tig;
+			uint4 z;
+			z.x = z.y = z.z = z.w = 0u;
+			w[2 * j] = va && k < a.in ? ldg_stream(wa + k) : z;
+			w[2 * j + 1] = vb && k < a.in ? ldg_stream(wb + k) : z;
+		}
+	};
+	// compute: A = rows (gid, gid+8) x 16 k, B = X^T; per 32-k group j the
+	// lane's 16-byte runs hold k pairs (0,1) (2,3) (4,5) (6,7) of its 8:
+	// mma 0 takes pairs 0 and 1 as its k pairs tig and tig+4, mma 1 pairs 2, 3.
+	auto compute = [&](int st, const uint4 *w) {
+#pragma unroll
+		for (int j = 0; j < 4; j++) {
+			uint4 p = w[2 * j], q = w[2 * j + 1];
+#pragma unroll
+			for (int t = 0; t < SK_NT; t++) {
+				if (t < nt) {
+					uint4 x = *(const uint4 *)&xs[st][8 * t + gid][32 * j + 8 * tig];
+					sk_mma(acc[t], p.x, q.x, p.y, q.y, x.x, x.y);
+					sk_mma(acc[t], p.z, q.z, p.w, q.w, x.z, x.w);
+				}
+			}
+		}
+	};
+	uint4 w0[8], w1[8];
+	if (c0 < c1) {
+		stage(c0, 0);
+		loadw(c0, w0);
+	}
+	for (int c = c0; c < c1; c += 2) {
+		bool has1 = c + 1 < c1;
+		if (has1) {
+			stage(c + 1, 1);
+			loadw(c + 1, w1);
+			asm volatile("cp.async.wait_group 1;\n" ::);
+		} else {
+			asm volatile("cp.async.wait_group 0;\n" ::);
+		}
+		__syncthreads();
+		compute(0, w0);
+		__syncthreads();
+		if (!has1) break;
+		bool has2 = c + 2 < c1;
+		if (has2) {
+			stage(c + 2, 0);
+			loadw(c + 2, w0);
+			asm volatile("cp.async.wait_group 1;\n" ::);
+		} else {
+			asm volatile("cp.async.wait_group 0;\n" ::);
+		}
+		__syncthreads();
+		compute(1, w1);
+		__syncthreads();
+	}
+	int rl = warp * 16 + gid;
+#pragma unroll
+	for (int t = 0; t < SK_NT; t++) {
+		if (t < nt) {
+			cs[rl][8 * t + 2 * tig] = acc[t][0];
+			cs[rl][8 * t + 2 * tig + 1] = acc[t][1];
+			cs[rl + 8][8 * t + 2 * tig] = acc[t][2];
+			cs[rl + 8][8 * t + 2 * tig + 1] = acc[t][3];
+		}
+	}
+	__syncthreads();
+	if (S > 1) {
+		float *P = a.part + ((long long)rb * S + ks) * SK_ROWS * 32;
+		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) P[(i / a.n) * 32 + i % a.n] = cs[i / a.n][i % a.n];
+		__threadfence();
+		__syncthreads();
+		if (tid == 0) last = atomicAdd(&a.cnt[rb], 1) == S - 1;
+		__syncthreads();
+		if (!last) return;
+		__threadfence();
+		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) {
+			int r = i / a.n, t = i % a.n;
+			float v = 0.f;
+			for (int s2 = 0; s2 < S; s2++) v += ld_cg(a.part + ((long long)rb * S + s2) * SK_ROWS * 32 + r * 32 + t);
+			cs[r][t] = v;
+		}
+		if (tid == 0) a.cnt[rb] = 0;
+		__syncthreads();
+	}
+	if (MODE == SK_PLAIN) {
+		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) {
+			int r = i % SK_ROWS, t = i / SK_ROWS, row = rb * SK_ROWS + r;
+			if (row < a.out) {
+				long long idx = (long long)t * a.out + row;
+				float v = cs[r][t];
+				if (a.beta != 0.f) v = v + a.beta * a.Y[idx];
+				a.Y[idx] = v;
+			}
+		}
+	} else if (MODE == SK_SILU) {
+		for (int i = tid; i < 64 * a.n; i += blockDim.x) {
+			int ii = i % 64, t = i / 64;
+			float g = bf2f(f2bf(cs[ii][t])), up = bf2f(f2bf(cs[64 + ii][t]));
+			a.h[(long long)t * a.out + rb * 64 + ii] = f2bf(g * (1.0f / (1.0f + expf(-g))) * up);
+		}
+	} else {
+		const int half = HEAD_DIM / 2;
+		int QD = a.nheads * HEAD_DIM, KVD = a.nkv * HEAD_DIM, rot = (a.nheads + a.nkv) * HEAD_DIM;
+		for (int i = tid; i < 64 * a.n; i += blockDim.x) {
+			int pi = i % 64, t = i / 64;
+			int hl = pi / half, ii = pi % half;
+			int ra = hl * HEAD_DIM + (a.interleaved ? 2 * ii : ii), rbl = ra + (a.interleaved ? 1 : half);
+			int rowA = rb * SK_ROWS + ra, rowB = rb * SK_ROWS + rbl;
+			if (rowA >= a.out) continue;
+			float v0 = cs[ra][t], v1 = cs[rbl][t];
+			if (a.bias) {
+				v0 += a.bias[rowA];
+				v1 += a.bias[rowB];
+			}
+			long long s = a.slot[t];
+			if (rowA >= rot) {
+				if (s >= 0) {
+					st(a.vc, s + (rowA - QD - KVD), v0);
+					st(a.vc, s + (rowB - QD - KVD), v1);
+				}
+				continue;
+			}
+			int p = a.pos[t];
+			float c, sv;
+			if (p < a.ntab) {
+				float2 cv = a.tab[(long long)p * half + ii];
+				c = cv.x;
+				sv = cv.y;
+			} else {
+				double an = (double)p * a.inv_freq[ii];
+				c = (float)cos(an);
+				sv = (float)sin(an);
+			}
+			float r0 = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, sv));
+			float r1 = __fadd_rn(__fmul_rn(v0, sv), __fmul_rn(v1, c));
+			if (rowA < QD) {
+				st(a.q, (long long)t * QD + rowA, r0);
+				st(a.q, (long long)t * QD + rowB, r1);
+			} else if (s >= 0) {
+				st(a.kc, s + (rowA - QD), r0);
+				st(a.kc, s + (rowB - QD), r1);
+			}
+		}
+	}
+}
+
+// gemm_sk_plain: Y (f32, [n][out]) = X . W^T + beta*Y. Grid (ceil(out/128),
+// S), 256 threads; cps = 128-k chunks per split.
+extern "C" __global__ void __launch_bounds__(256) gemm_sk_plain(float *Y, const bf16_t *X, const bf16_t *W, int n,
+	int out, int in, float beta, int cps, float *part, int *cnt) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.cps = cps, a.part = part, a.cnt = cnt;
+	gemm_sk<SK_PLAIN>(a);
+}
+// gemm_sk_silu: h (T, [n][hidden]) = silu(X . Wg^T) * (X . Wu^T), W = [gate;
+// up]. Grid (hidden/64, S).
+extern "C" __global__ void __launch_bounds__(256) gemm_sk_silu(bf16_t *h, const bf16_t *X, const bf16_t *W, int n,
+	int hidden, int in, int cps, float *part, int *cnt) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.h = h, a.n = n, a.out = hidden, a.in = in, a.cps = cps, a.part = part, a.cnt = cnt;
+	gemm_sk<SK_SILU>(a);
+}
+#if SK_ROWS % HEAD_DIM == 0
+// gemm_sk_qkv: X . Wqkv^T, then rope_kv's work (its arguments). Grid
+// (ceil((QD+2KVD)/128), S).
+extern "C" __global__ void __launch_bounds__(256) gemm_sk_qkv(bf16_t *q, bf16_t *kc, bf16_t *vc, const bf16_t *X,
+	const bf16_t *W, const float *bias, const int *pos, const long long *slot, const float2 *tab, const double *inv_freq,
+	int ntab, int n, int in, int nheads, int nkv, int interleaved, int cps, float *part, int *cnt) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.q = q, a.kc = kc, a.vc = vc, a.bias = bias, a.pos = pos, a.slot = slot, a.tab = tab;
+	a.inv_freq = inv_freq, a.ntab = ntab, a.n = n, a.out = (nheads + 2 * nkv) * HEAD_DIM, a.in = in, a.nheads = nheads;
+	a.nkv = nkv, a.interleaved = interleaved, a.cps = cps, a.part = part, a.cnt = cnt;
+	gemm_sk<SK_ROPE>(a);
+}
+#endif
 #endif // USE_BF16
 
 #if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)

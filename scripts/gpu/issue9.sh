@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# issue9.sh: one device call (nvidia-h200, ~3-7 minutes) for issue 9's first
-# seams: the explicit stream, pass plans and CUDA graphs for decode.
+# issue9.sh: one device call (nvidia-h200, ~4-8 minutes) for issue 9: the
+# explicit stream, pass plans and CUDA graphs for decode, and the decode
+# kernels (item 4).
 # Build here first, then run there with the bundle carried:
 #   GPU_TEST_PKGS=./internal/compute/cuda scripts/gpu-bundle.sh
 #   run(command="bash scripts/gpu/issue9.sh", carry=["gpu-bundle"], timeout_s=540)
@@ -11,10 +12,15 @@
 #            fallback, step timing, stories260K exactness, batch invariance
 #   3 rest   the other internal/compute/cuda tests (vs CPU, flash prefill,
 #            kernel sets, small kernels, plan tests)
-#   4 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
+#   4 kernels TestKernelBench8B: the decode kernels one by one at the 8B
+#            shape, old and new side by side (fused GEMVs at 1-4 tokens,
+#            gemm_sk vs cuBLAS at 1-32, attention at batch 1-256 x ctx
+#            1K-32K as a one-layer benchmark), outputs checked old vs new
+#   5 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
 #            batch 1/32/128 ctx 1K and batch 8 ctx 8K, the step gap, and the
-#            HBM read floor measured in the same run
-# Logs in $OUT (7 files); the summary and the bench table print last.
+#            HBM read floor measured in the same run, new and old kernels
+# Logs in $OUT (9 files); the summary, the kernel tables and the bench table
+# print last.
 set -u
 O=${OUT:-/tmp/issue9}
 mkdir -p "$O"
@@ -72,20 +78,25 @@ stage() {
 	fi
 }
 
-core='TestGraph|TestStepTimes|TestStories260K|TestBatchInvariance'
-stage cuda 75 internal/cuda internal.cuda.test
-stage core 150 internal/compute/cuda internal.compute.cuda.test -test.run "$core"
-stage rest 110 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|TestBench|TestProfile|TestHFvsTorch"
+core='TestGraph|TestStepTimes|TestStories260K|TestBatchInvariance|TestFusedDecode|TestKernelsV2'
+stage cuda 60 internal/cuda internal.cuda.test
+stage core 140 internal/compute/cuda internal.compute.cuda.test -test.run "$core"
+stage rest 100 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|TestBench|TestKernelBench|TestProfile|TestHFvsTorch"
+MOONCAKE_BENCH=1 BENCH_OUT=$O/kbench.txt stage kernels 80 internal/compute/cuda internal.compute.cuda.test -test.run 'TestKernelBench8B$'
 MOONCAKE_BENCH=1 BENCH_OUT=$O/bench.txt stage bench 130 internal/compute/cuda internal.compute.cuda.test -test.run 'TestBenchGraph8B$'
 
 echo
 echo "=== key lines"
-grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture' \
-	"$O"/core.log "$O"/cuda.log 2>/dev/null | cut -c1-220 | head -40
+grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture|fused|new kernels vs|kernel .*: [0-9]+ registers' \
+	"$O"/core.log "$O"/cuda.log 2>/dev/null | cut -c1-220 | head -60
 grep -hE 'loaded in|HBM read' "$O/bench.log" 2>/dev/null | cut -c1-220
+echo
+echo "=== decode kernels, llama3-8b shape (kbench.txt; register counts in the file)"
+grep -vE '^kernel ' "$O/kbench.txt" 2>/dev/null || echo "no kernel tables (see kernels.log)"
 echo
 echo "=== summary"
 cat "$sum"
+grep -h 'FAIL ' "$O/kbench.txt" 2>/dev/null | head -10
 echo
 echo "=== decode step, llama3-8b shape (bench.txt)"
 cat "$O/bench.txt" 2>/dev/null || echo "no bench table (see bench.log)"

@@ -98,7 +98,7 @@ func TestBench8B(t *testing.T) {
 	}{
 		{"v2", tuning{}},
 		{"v2-flash4warps", tuning{flashWarps: 4}},
-		{"v2-cublas-decode", tuning{gemvMax: -1}},
+		{"v2-cublas-decode", tuning{gemvMax: -1, skinnyMax: -1}},
 		{"v1", tuning{noV2: true, split: 256}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
@@ -215,8 +215,8 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
 // the GPU time per step and the GPU idle gap between consecutive steps
 // (events on the stream). Step times are host wall times of Forward, the
 // logits copied to the host or not. Two kernel sets, one backend each: the
-// new (fused decode GEMVs, attn_decode2) and the old (separate rmsnorm,
-// gemv, rope_kv, silu_mul; attn_decode). Runs only with MOONCAKE_BENCH=1;
+// new (fused decode GEMVs to 4 tokens, gemm_sk to 32, attn_decode2) and the
+// old (separate rmsnorm, gemv, rope_kv, silu_mul; cuBLAS; attn_decode). Runs only with MOONCAKE_BENCH=1;
 // BENCH_OUT=file receives the table.
 func TestBenchGraph8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
@@ -232,7 +232,7 @@ func TestBenchGraph8B(t *testing.T) {
 	for _, v := range []struct {
 		name string
 		tu   tuning
-	}{{"new", tuning{}}, {"old", tuning{noFused: true, decodeV1: true}}} {
+	}{{"new", tuning{}}, {"old", tuning{noFused: true, decodeV1: true, skinnyMax: -1}}} {
 		t.Run(v.name, func(t *testing.T) { lines = append(lines, benchGraph(t, cfg, v.name, v.tu)...) })
 	}
 	for _, l := range lines {

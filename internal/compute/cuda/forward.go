@@ -282,6 +282,14 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		return
 	}
 	b := r.b
+	if yF32 && b.skinny(n) && in%8 == 0 {
+		f := &b.fn
+		rb := ceilDiv(out, skRows)
+		s, cps := skSplit(f.skCap, rb, in)
+		r.launch(f.skPlain, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, y, x, w, int32(n), int32(out),
+			int32(in), beta, int32(cps), f.skPart, f.skCnt)
+		return
+	}
 	if yF32 && b.fused(n) && in%8 == 0 {
 		f := b.fn.g2Plain
 		r.launch(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), 0, y, x, w, int32(n), int32(out), int32(in), beta)
@@ -324,6 +332,11 @@ func (b *Backend) fused(n int) bool {
 	return b.fn.g2QKV != nil && !b.opts.BatchInvariant && n <= b.fn.gemvMax
 }
 
+// skinny reports whether the GEMMs of a pass of n token rows run gemm_sk_*.
+func (b *Backend) skinny(n int) bool {
+	return b.fn.skPlain != nil && !b.opts.BatchInvariant && n > b.fn.gemvMax && n <= b.fn.skMax
+}
+
 // partBudget bounds the split-K attention's partial results per launch of
 // an eager pass (graphPartBudget: of a captured one).
 const partBudget = 256 << 20
@@ -351,7 +364,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	div := float32(math.Sqrt(float64(hd)))
 	layerBytes := cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes()))
 	rmsT := rmsThreads(dim)
-	fused := b.fused(n)
+	fused, sk := b.fused(n), b.skinny(n)
 	vt := rmsVT(dim)
 	xsmem := uint32(n * dim * 2) // gemv2's normalised x, n rows of T
 	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
@@ -378,6 +391,14 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 			r.launch(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
 				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), vt, c.NormEps,
 				int32(c.Heads), int32(c.KVHeads), interleaved)
+		} else if sk && b.fn.skQKV != nil {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
+			f := &b.fn
+			rb := ceilDiv(qd+2*kvd, skRows)
+			s, cps := skSplit(f.skCap, rb, dim)
+			r.launch(f.skQKV, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.q, kc, vc, d.xb, w.wqkv,
+				w.bqkv, meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), int32(c.Heads),
+				int32(c.KVHeads), interleaved, int32(cps), f.skPart, f.skCnt)
 		} else {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
 			r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
@@ -418,6 +439,12 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 			f := b.fn.g2SiLU
 			r.launch(f, b.g2Grid(f, hid), cu.D1(g2Threads), xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
 				int32(dim), vt, c.NormEps)
+		} else if sk && b.fn.skSiLU != nil {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
+			f := &b.fn
+			s, cps := skSplit(f.skCap, hid/64, dim)
+			r.launch(f.skSiLU, cu.Dim3{X: uint32(hid / 64), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.h, d.xb, w.w13,
+				int32(n), int32(hid), int32(dim), int32(cps), f.skPart, f.skCnt)
 		} else {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
 			r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)

@@ -7,12 +7,13 @@ import (
 )
 
 // TestFusedDecode checks the fused decode layer (gemv2_*: rmsnorm, RoPE with
-// the KV write and SiLU-multiply inside the GEMVs) and attn_decode2 against
-// the separate kernels, in bfloat16, over prefill and decode steps at batch
-// sizes 1 to 4 (the fused path, graphs on: buckets 1, 2, 4, 4) and 6 (cuBLAS,
-// bucket 8): the fused GEMVs with the old attention must give the old
-// kernels' logits bit for bit (these dims reduce rmsnorm in its own order);
-// the new attention must stay near them. Shapes: head dims 8 to 128,
+// the KV write and SiLU-multiply inside the GEMVs), the skinny GEMMs
+// (gemm_sk_*) and attn_decode2 against the separate kernels and cuBLAS, in
+// bfloat16, over prefill and decode steps at batch sizes 1 to 4 (the fused
+// path, graphs on: buckets 1, 2, 4, 4) and 6 and 13 (bucket 8 and 16: gemm_sk
+// or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
+// old kernels' logits bit for bit (these dims reduce rmsnorm in its own
+// order); all the new kernels together must stay near them. Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
 // that the GEMV cannot read (172).
 func TestFusedDecode(t *testing.T) {
@@ -40,7 +41,7 @@ func TestFusedDecode(t *testing.T) {
 		t.Run(sh.name, func(t *testing.T) {
 			m := sh.m(t)
 			V := m.Config.Vocab
-			groups := []int{1, 2, 3, 4, 6}
+			groups := []int{1, 2, 3, 4, 6, 13}
 			const per, steps = 12, 9 // pages of 16: 192 positions per seq
 			total := 0
 			for _, g := range groups {
@@ -52,17 +53,17 @@ func TestFusedDecode(t *testing.T) {
 				o.tune = tu
 				return newOrSkip(t, m, o)
 			}
-			old := mk(tuning{noFused: true, decodeV1: true})
-			fusedOld := mk(tuning{decodeV1: true})
+			old := mk(tuning{noFused: true, decodeV1: true, skinnyMax: -1})
+			fusedOld := mk(tuning{decodeV1: true, skinnyMax: -1})
 			nw := mk(tuning{})
 			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
 				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
 			}
-			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil {
+			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
 			}
-			if nw.fn.attnDecode2 == nil {
-				t.Fatal("attn_decode2 not loaded")
+			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil {
+				t.Fatalf("attn_decode2 %v, gemm_sk %v: not loaded", nw.fn.attnDecode2 != nil, nw.fn.skPlain != nil)
 			}
 			r := newRand(uint64(len(sh.name)))
 			base := 0

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/mooncake-go/mooncake-go/internal/cublas"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 )
@@ -52,7 +53,9 @@ func TestKernelBench8B(t *testing.T) {
 	kb := &kbench{t: t, b: b, bw: bw}
 	defer kb.free()
 	kb.add("HBM read bandwidth %.0f GB/s (4 GiB, median of 10); llama3-8b shape, bf16, random data", bw/1e9)
-	for _, name := range []string{"gemv_f32out", "gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu", "rmsnorm", "rope_kv",
+	kb.add("skinny GEMM: %d blocks resident; splits (qkv, wo, gate/up, down, logits) %v", b.fn.skCap, kb.splits())
+	for _, name := range []string{"gemv_f32out", "gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu", "gemm_sk_plain",
+		"gemm_sk_qkv", "gemm_sk_silu", "rmsnorm", "rope_kv",
 		"silu_mul", "attn_split", "attn_decode", "attn_decode2", "attn_combine"} {
 		f := kb.fn(name)
 		regs, _ := f.Attribute(cu.FuncAttrNumRegs)
@@ -60,8 +63,10 @@ func TestKernelBench8B(t *testing.T) {
 		shared, _ := f.Attribute(cu.FuncAttrSharedSizeBytes)
 		kb.add("kernel %s: %d registers, %d bytes local, %d bytes static shared; gemv2 grid cap %d blocks", name, regs, local,
 			shared, b.fn.g2Blocks[f])
+
 	}
 	kb.gemvs()
+	kb.skinny()
 	kb.smallKernels()
 	kb.attention()
 	if kb.bad > 0 {
@@ -362,6 +367,163 @@ func (k *kbench) gemvs() {
 	}
 }
 
+// splits lists skSplit's (splits, chunks per split) for the 8B GEMMs.
+func (k *kbench) splits() [][2]int {
+	c := &k.b.cfg
+	qd, kvd, hid := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
+	var out [][2]int
+	for _, sh := range [][2]int{{ceilDiv(qd+2*kvd, skRows), c.Dim}, {ceilDiv(c.Dim, skRows), qd}, {hid / 64, c.Dim},
+		{ceilDiv(c.Dim, skRows), hid}, {ceilDiv(c.Vocab, skRows), c.Dim}} {
+		s, cps := skSplit(k.b.fn.skCap, sh[0], sh[1])
+		out = append(out, [2]int{s, cps})
+	}
+	return out
+}
+
+// cublas runs y[n][out] = x . w^T + beta*y through cuBLAS as the backend
+// does for batches above the GEMV's (y f32 when yF32, else T).
+func (k *kbench) cublas(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int, beta float32) {
+	yt := cublas.R16BF
+	if yF32 {
+		yt = cublas.R32F
+	}
+	if err := k.b.blas.GemmEx(&cublas.Gemm{TransA: cublas.OpT, TransB: cublas.OpN, M: out, N: n, K: in, Alpha: 1, Beta: beta,
+		A: uint64(w), AType: cublas.R16BF, LDA: in, B: uint64(x), BType: cublas.R16BF, LDB: in, C: uint64(y), CType: yt,
+		LDC: out, Compute: cublas.Compute32F}); err != nil {
+		k.t.Fatal(err)
+	}
+}
+
+// skinny times the decode GEMMs of 5..32 tokens (and 1, 4 for scale):
+// cuBLAS (+ rope_kv / silu_mul) against gemm_sk_*, checking that both
+// agree (f32 outputs within 1e-5, bf16 ones within 1e-2: rounding flips).
+func (k *kbench) skinny() {
+	b := k.b
+	c := &b.cfg
+	f := &b.fn
+	if f.skPlain == nil || f.skQKV == nil || f.skSiLU == nil {
+		k.fail("skinny GEMM kernels not loaded")
+		return
+	}
+	dim, qd, kvd, hid, V := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim, c.Vocab
+	const N = 32
+	L := len(b.w.layers)
+	xb := k.alloc(N * uint64(dim) * 2)
+	qkvF := k.alloc(N * uint64(qd+2*kvd) * 4)
+	gu := k.alloc(N * uint64(2*hid) * 2)
+	att := k.alloc(N * uint64(qd) * 2)
+	hin := k.alloc(N * uint64(hid) * 2)
+	var q, kc, vc, h, y, lg [2]cu.DevicePtr
+	for v := range 2 {
+		q[v], kc[v], vc[v] = k.alloc(N*uint64(qd)*2), k.alloc(N*uint64(kvd)*2), k.alloc(N*uint64(kvd)*2)
+		h[v], y[v], lg[v] = k.alloc(N*uint64(hid)*2), k.alloc(N*uint64(dim)*4), k.alloc(N*uint64(V)*4)
+	}
+	pos, slot := k.alloc(N*4), k.alloc(N*8)
+	ps, ss := make([]int32, N), make([]int64, N)
+	for i := range ps {
+		ps[i], ss[i] = int32(100+37*i), int64(i*kvd)
+	}
+	ss[3] = -1 // a padding row
+	k.put(pos, ps)
+	k.put(slot, ss)
+	k.randT(xb, N*uint64(dim), 51, 1)
+	k.randT(att, N*uint64(qd), 52, 1)
+	k.randT(hin, N*uint64(hid), 53, 1)
+	ropeY := ropeBlocks(c.Heads, c.KVHeads, c.HeadDim)
+	wb := func(rows, cols int) float64 { return float64(rows) * float64(cols) * 2 }
+	k.add("")
+	k.add("| skinny GEMM (weights rotated over %d layers) | n | cuBLAS us | gemm_sk us | cuBLAS GB/s (%% HBM) | gemm_sk GB/s (%% HBM) | sk/cuBLAS | outputs |", L)
+	k.add("| --- | --- | --- | --- | --- | --- | --- | --- |")
+	row := func(name string, n int, bytes, old, nw float64, same string) {
+		og, op := k.gbs(bytes, old)
+		ng, np := k.gbs(bytes, nw)
+		k.add("| %s | %d | %.1f | %.1f | %.0f (%.0f%%) | %.0f (%.0f%%) | %.2f | %s |", name, n, old, nw, og, op, ng, np, nw/old, same)
+	}
+	near := func(what string, n int, a, bb cu.DevicePtr, count int, asT bool, tol float64) string {
+		var ga, gb []float32
+		if asT {
+			ga, gb = bf16s(k.get(a, uint64(count*2))), bf16s(k.get(bb, uint64(count*2)))
+		} else {
+			ga, gb = f32s(k.get(a, uint64(count*4))), f32s(k.get(bb, uint64(count*4)))
+		}
+		e := relErr(gb, ga)
+		if !(e <= tol) {
+			k.fail("%s at n=%d: gemm_sk vs cuBLAS: rel err %.3g > %.3g", what, n, e, tol)
+			return fmt.Sprintf("DIFFER %.1e", e)
+		}
+		return fmt.Sprintf("rel %.1e", e)
+	}
+	for _, n := range []int{1, 4, 8, 16, 24, 32} {
+		n32 := int32(n)
+		launchSK := func(fn *cu.Function, rb, in int, args ...any) {
+			s, cps := skSplit(f.skCap, rb, in)
+			k.launch(fn, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0,
+				append(args, int32(cps), f.skPart, f.skCnt)...)
+		}
+		oldQKV := func(i int) {
+			w := &b.w.layers[i%L]
+			k.cublas(qkvF, true, xb, w.wqkv, n, qd+2*kvd, dim, 0)
+			k.launch(f.ropeKV, cu.Dim3{X: uint32(n), Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, q[0], kc[0], vc[0], qkvF, w.bqkv, pos,
+				slot, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), int32(0))
+		}
+		newQKV := func(i int) {
+			w := &b.w.layers[i%L]
+			launchSK(f.skQKV, ceilDiv(qd+2*kvd, skRows), dim, q[1], kc[1], vc[1], xb, w.wqkv, w.bqkv, pos, slot, b.ropeTab,
+				b.rope, int32(b.ropeN), n32, int32(dim), int32(c.Heads), int32(c.KVHeads), int32(0))
+		}
+		for v := range 2 {
+			k.randT(q[v], N*uint64(qd), 91, 5)
+			k.randT(kc[v], N*uint64(kvd), 92, 5)
+			k.randT(vc[v], N*uint64(kvd), 93, 5)
+		}
+		oldQKV(0)
+		newQKV(0)
+		same := near("q", n, q[0], q[1], n*qd, true, 1e-2)
+		near("k", n, kc[0], kc[1], N*kvd, true, 1e-2)
+		near("v", n, vc[0], vc[1], N*kvd, true, 1e-2)
+		row("qkv: cuBLAS+rope_kv vs gemm_sk_qkv", n, wb(qd+2*kvd, dim), k.time(8, oldQKV), k.time(8, newQKV), same)
+		oldMLP := func(i int) {
+			w := &b.w.layers[i%L]
+			k.cublas(gu, false, xb, w.w13, n, 2*hid, dim, 0)
+			k.launch(f.siluMul, cu.Dim3{X: uint32(n), Y: siluBlocks(hid), Z: 1}, cu.D1(siluThreads), 0, h[0], gu, int32(hid))
+		}
+		newMLP := func(i int) {
+			launchSK(f.skSiLU, hid/64, dim, h[1], xb, b.w.layers[i%L].w13, n32, int32(hid), int32(dim))
+		}
+		oldMLP(0)
+		newMLP(0)
+		same = near("h", n, h[0], h[1], n*hid, true, 1e-2)
+		row("gate/up: cuBLAS+silu_mul vs gemm_sk_silu", n, wb(2*hid, dim), k.time(4, oldMLP), k.time(4, newMLP), same)
+		for _, m := range []struct {
+			name string
+			in   int
+			X    cu.DevicePtr
+			pick func(l *devLayer) cu.DevicePtr
+			reps int
+		}{
+			{"wo", qd, att, func(l *devLayer) cu.DevicePtr { return l.wo }, 8},
+			{"down", hid, hin, func(l *devLayer) cu.DevicePtr { return l.w2 }, 6},
+		} {
+			o := func(i int) { k.cublas(y[0], true, m.X, m.pick(&b.w.layers[i%L]), n, dim, m.in, 0) }
+			nw := func(i int) {
+				launchSK(f.skPlain, ceilDiv(dim, skRows), m.in, y[1], m.X, m.pick(&b.w.layers[i%L]), n32, int32(dim), int32(m.in), float32(0))
+			}
+			o(0)
+			nw(0)
+			same := near(m.name, n, y[0], y[1], n*dim, false, 1e-5)
+			row(m.name+": cuBLAS vs gemm_sk_plain", n, wb(dim, m.in), k.time(m.reps, o), k.time(m.reps, nw), same)
+		}
+		o := func(int) { k.cublas(lg[0], true, xb, b.w.lmHead, n, V, dim, 0) }
+		nw := func(int) {
+			launchSK(f.skPlain, ceilDiv(V, skRows), dim, lg[1], xb, b.w.lmHead, n32, int32(V), int32(dim), float32(0))
+		}
+		o(0)
+		nw(0)
+		same = near("logits", n, lg[0], lg[1], n*V, false, 1e-5)
+		row("logits: cuBLAS vs gemm_sk_plain", n, wb(V, dim), k.time(3, o), k.time(3, nw), same)
+	}
+}
+
 // smallKernels times the kernels that stay separate for batches above the
 // fused path's (cuBLAS GEMMs in between): rmsnorm, rope_kv, silu_mul.
 func (k *kbench) smallKernels() {
@@ -522,6 +684,15 @@ func (k *kbench) attention() {
 		k.add("| attention | %d | %d | %.1f | %.1f | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f | %s|", cs.bs, cs.ctx, floorUS, us[0],
 			us[1], p1, us[2], p2, cus, verdict)
 	}
+}
+
+// f32s decodes little-endian f32 values.
+func f32s(raw []byte) []float32 {
+	o := make([]float32, len(raw)/4)
+	for i := range o {
+		o[i] = math.Float32frombits(uint32(raw[4*i]) | uint32(raw[4*i+1])<<8 | uint32(raw[4*i+2])<<16 | uint32(raw[4*i+3])<<24)
+	}
+	return o
 }
 
 // bf16s decodes little-endian bf16 values.

@@ -35,7 +35,10 @@ type tuning struct {
 	// noFused: small batches run rmsnorm, gemv_*, rope_kv and silu_mul as
 	// separate kernels instead of the fused gemv2_* layer.
 	noFused bool
-	noV2    bool // compile without the second-generation kernels
+	// skinnyMax: decode GEMMs of gemvMax+1 .. skinnyMax tokens run
+	// gemm_sk_* (0: 32, the most it takes; -1: cuBLAS).
+	skinnyMax int
+	noV2      bool // compile without the second-generation kernels
 }
 
 // v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that
@@ -60,6 +63,12 @@ type kernels struct {
 	attnDecode2                    *cu.Function
 	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
 	g2Blocks                       map[*cu.Function]int // most blocks resident at once (the grid cap)
+	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
+	// blocks resident at once; skPart and skCnt: their split-K partial
+	// tiles and per-row-block counters (zero between launches).
+	skPlain, skQKV, skSiLU *cu.Function
+	skMax, skCap           int
+	skPart, skCnt          cu.DevicePtr
 }
 
 // Launch shapes of the small kernels.
@@ -219,6 +228,11 @@ func (b *Backend) loadKernels() error {
 	if !tu.noFused && f.gemvMax > 0 && b.cfg.Dim%8 == 0 {
 		b.loadFused()
 	}
+	if tu.skinnyMax >= 0 {
+		if err := b.loadSkinny(min(cmp.Or(tu.skinnyMax, skMaxN), skMaxN)); err != nil {
+			return err
+		}
+	}
 	if fw > 0 && hd%32 == 0 && hd <= 128 {
 		opt(&f.attnFlash2, "attn_prefill2")
 		if f.attnFlash2 != nil {
@@ -314,3 +328,73 @@ func (b *Backend) g2Grid(f *cu.Function, units int) cu.Dim3 {
 // rmsnorm's own (so fused outputs equal the separate kernels' bit for bit)
 // when it fits in a gemv2 block.
 func rmsVT(dim int) int32 { return int32(min(int(rmsThreads(dim)), g2Threads)) }
+
+// Skinny GEMM launch shape (gemm_sk_* in llama.cu): 256 threads own 128
+// weight rows (64 gate + 64 up rows for the SiLU form); k in chunks of 128.
+const (
+	skRows    = 128
+	skChunk   = 128
+	skMaxN    = 32 // 4 tensor-core n tiles of 8 tokens
+	skThreads = 256
+)
+
+// loadSkinny finds the gemm_sk set (none: cuBLAS stays) and allocates its
+// split-K workspace for the model's GEMM shapes.
+func (b *Backend) loadSkinny(maxN int) error {
+	f := &b.fn
+	c := &b.cfg
+	plain, err := b.mod.Function("gemm_sk_plain")
+	if err != nil || maxN <= f.gemvMax || c.Dim%8 != 0 {
+		return nil
+	}
+	sms, err := b.cx.MultiprocessorCount()
+	if err != nil || sms <= 0 {
+		return nil
+	}
+	smemPerSM, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerSM)
+	regs, _ := plain.Attribute(cu.FuncAttrNumRegs)
+	static, _ := plain.Attribute(cu.FuncAttrSharedSizeBytes)
+	f.skCap = sms * residentBlocks(skThreads, regs, static, smemPerSM)
+	if p, e := b.mod.Function("gemm_sk_qkv"); e == nil {
+		f.skQKV = p
+	}
+	if p, e := b.mod.Function("gemm_sk_silu"); e == nil && c.HiddenDim%64 == 0 {
+		f.skSiLU = p
+	}
+	qd, kvd, hid := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
+	var part uint64
+	maxRB := 64
+	for _, sh := range [][2]int{{ceilDiv(qd+2*kvd, skRows), c.Dim}, {ceilDiv(c.Dim, skRows), qd}, {hid / 64, c.Dim},
+		{ceilDiv(c.Dim, skRows), hid}, {ceilDiv(c.Vocab, skRows), c.Dim}} {
+		rb, in := sh[0], sh[1]
+		if rb == 0 || in%8 != 0 {
+			continue
+		}
+		if s, _ := skSplit(f.skCap, rb, in); s > 1 {
+			part = max(part, uint64(rb)*uint64(s)*skRows*32*4)
+		}
+		maxRB = max(maxRB, rb)
+	}
+	if f.skPart, err = b.alloc(part); err != nil {
+		return fmt.Errorf("cuda backend: skinny GEMM workspace: %w", err)
+	}
+	if f.skCnt, err = b.alloc(uint64(maxRB) * 4); err != nil {
+		return fmt.Errorf("cuda backend: skinny GEMM counters: %w", err)
+	}
+	if err := b.cx.MemsetD8(f.skCnt, 0, uint64(maxRB)*4); err != nil {
+		return err
+	}
+	f.skPlain, f.skMax = plain, maxN
+	return nil
+}
+
+// skSplit is the k split of a skinny GEMM of rowBlocks row blocks over in:
+// as many splits as fill the GPU's resident blocks in one wave (at least 1,
+// at most one per 128-k chunk), and the chunks per split (the last split
+// may have fewer).
+func skSplit(capBlocks, rowBlocks, in int) (splits, cps int) {
+	chunks := ceilDiv(in, skChunk)
+	s := min(max(1, capBlocks/max(rowBlocks, 1)), chunks)
+	cps = ceilDiv(chunks, s)
+	return ceilDiv(chunks, cps), cps
+}
