@@ -97,8 +97,27 @@ __device__ float block_max(float v, float *red) {
 	return v;
 }
 
+// Programmatic dependent launch (sm_90): pdl_trigger lets the next kernel
+// on the stream, when launched with programmatic serialization
+// (Stream.LaunchPDL), start once every block of this one has triggered;
+// pdl_wait, in a kernel so launched, waits for the kernels ahead of it to
+// finish and their writes to be visible (a no-op otherwise). A kernel
+// launched that way touches nothing the kernels ahead of it use before
+// pdl_wait, and every one of its blocks runs pdl_wait.
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // embed: x[t] = table[tok[t]] (fp32 residual stream). grid n, any block.
 extern "C" __global__ void embed(float *x, const T *table, const int *tok, int dim) {
+	pdl_trigger();
 	int t = blockIdx.x;
 	const T *row = table + (long long)tok[t] * dim;
 	for (int i = threadIdx.x; i < dim; i += blockDim.x) x[(long long)t * dim + i] = ld(row, i);
@@ -116,6 +135,7 @@ extern "C" __global__ void embed(float *x, const T *table, const int *tok, int d
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(T *out, const float *x, const float *w, const int *rows,
 	int dim, float eps) {
 	__shared__ float red[32];
+	pdl_trigger();
 	int r = blockIdx.x;
 	int src = rows ? rows[r] : r;
 	const float *xr = x + (long long)src * dim;
@@ -368,6 +388,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split(float *part
 // grid (heads, queries of this launch), block HEAD_DIM (or fewer) threads.
 extern "C" __global__ void attn_combine(T *out, const float *part_o, const float *part_ml, const int *qrow,
 	const int *pos, int nsplit, int nheads, int qi0) {
+	pdl_trigger();
 	int h = blockIdx.x, z = blockIdx.y, qi = qi0 + z;
 	int ns = (pos[qi] + ATT_SPLIT) / ATT_SPLIT;
 	long long base = ((long long)z * nheads + h) * nsplit;
@@ -958,24 +979,24 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	int lane = threadIdx.x & 31;
 	int gw = blockIdx.x * (G2_THREADS / 32) + (threadIdx.x >> 5), nw = gridDim.x * (G2_THREADS / 32);
 	int nc = a.in >> 3;
-	if (NORM) {
-		// Start the first unit's weights towards L2 while the block
-		// normalises x (the GEMV waits for that).
-		if (gw < units) {
-			int r0, r1;
-			g2_rows<MODE>(a, gw, r0, r1);
-			const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+	pdl_trigger();
+	// Start the first unit's weights towards L2 while the kernel ahead
+	// finishes (launched programmatically) and the block normalises x.
+	if (gw < units) {
+		int r0, r1;
+		g2_rows<MODE>(a, gw, r0, r1);
+		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
 #pragma unroll
-			for (int u4 = 0; u4 < 4; u4++) {
-				int c = lane + 32 * u4;
-				if (c < nc) {
-					asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
-					asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
-				}
+		for (int u4 = 0; u4 < 4; u4++) {
+			int c = lane + 32 * u4;
+			if (c < nc) {
+				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
+				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
 			}
 		}
-		g2_norm(a, xs, red);
 	}
+	pdl_wait();
+	if (NORM) g2_norm(a, xs, red);
 	for (int u = gw; u < units; u += nw) {
 		int r0, r1;
 		g2_rows<MODE>(a, u, r0, r1);
@@ -1152,10 +1173,10 @@ __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 		}
 	};
 	uint4 w0[8], w1[8];
-	if (c0 < c1) {
-		stage(c0, 0);
-		loadw(c0, w0);
-	}
+	pdl_trigger();
+	if (c0 < c1) loadw(c0, w0); // weights: nothing ahead writes them
+	pdl_wait();
+	if (c0 < c1) stage(c0, 0);
 	for (int c = c0; c < c1; c += 2) {
 		bool has1 = c + 1 < c1;
 		if (has1) {

@@ -214,9 +214,10 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
 // + KV read once at the HBM read bandwidth measured in the same run), with
 // the GPU time per step and the GPU idle gap between consecutive steps
 // (events on the stream). Step times are host wall times of Forward, the
-// logits copied to the host or not. Two kernel sets, one backend each: the
-// new (fused decode GEMVs to 4 tokens, gemm_sk to 32, attn_decode2) and the
-// old (separate rmsnorm, gemv, rope_kv, silu_mul; cuBLAS; attn_decode). Runs only with MOONCAKE_BENCH=1;
+// logits copied to the host or not. Kernel sets, one backend each: the new
+// (fused decode GEMVs to 4 tokens, gemm_sk to 32, attn_decode2), the same
+// with programmatic dependent launch, and the old (separate rmsnorm, gemv,
+// rope_kv, silu_mul; cuBLAS; attn_decode). Runs only with MOONCAKE_BENCH=1;
 // BENCH_OUT=file receives the table.
 func TestBenchGraph8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
@@ -232,7 +233,7 @@ func TestBenchGraph8B(t *testing.T) {
 	for _, v := range []struct {
 		name string
 		tu   tuning
-	}{{"new", tuning{}}, {"old", tuning{noFused: true, decodeV1: true, skinnyMax: -1}}} {
+	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"old", tuning{noFused: true, decodeV1: true, skinnyMax: -1}}} {
 		t.Run(v.name, func(t *testing.T) { lines = append(lines, benchGraph(t, cfg, v.name, v.tu)...) })
 	}
 	for _, l := range lines {
@@ -257,9 +258,12 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning) []string
 	if err := b.fill(b.fn.fillT, b.kvBase, uint64(b.layout.TotalBytes())/uint64(b.eb), 7, 1, 0); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%s: loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v; fused %v, decode2 %v, decode %v",
+	t.Logf("%s: loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v; fused %v, skinny %v, decode2 %v, decode %v, pdl %v",
 		name, time.Since(t0), float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, float64(b.graphs.sizes.total())/(1<<20),
-		b.graphs.buckets, b.fn.g2QKV != nil, b.fn.attnDecode2 != nil, b.fn.attnDecode != nil)
+		b.graphs.buckets, b.fn.g2QKV != nil, b.fn.skPlain != nil, b.fn.attnDecode2 != nil, b.fn.attnDecode != nil, b.fn.pdl)
+	if tu.pdl && !b.fn.pdl {
+		t.Errorf("%s: programmatic dependent launch not available", name)
+	}
 	bw, err := b.readBandwidth(4<<30, 10)
 	if err != nil {
 		t.Fatal(err)

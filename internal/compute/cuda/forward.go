@@ -275,6 +275,17 @@ func (r *run) launch(f *cu.Function, grid, block cu.Dim3, shmem uint32, args ...
 	}
 }
 
+// launchDep launches a kernel that waits for the ones ahead of it itself
+// (pdl_wait: the gemv2 and gemm_sk sets), programmatically when the
+// backend allows it.
+func (r *run) launchDep(f *cu.Function, grid, block cu.Dim3, shmem uint32, args ...any) {
+	if r.err == nil && r.b.fn.pdl {
+		r.err = r.s.LaunchPDL(f, grid, block, shmem, args...)
+		return
+	}
+	r.launch(f, grid, block, shmem, args...)
+}
+
 // gemm computes y[n][out] = x[n][in] . w[out][in]^T + beta*y; y is f32 when
 // yF32, else T.
 func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int, beta float32) {
@@ -286,13 +297,13 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		f := &b.fn
 		rb := ceilDiv(out, skRows)
 		s, cps := skSplit(f.skCap, rb, in)
-		r.launch(f.skPlain, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, y, x, w, int32(n), int32(out),
+		r.launchDep(f.skPlain, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, y, x, w, int32(n), int32(out),
 			int32(in), beta, int32(cps), f.skPart, f.skCnt)
 		return
 	}
 	if yF32 && b.fused(n) && in%8 == 0 {
 		f := b.fn.g2Plain
-		r.launch(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), 0, y, x, w, int32(n), int32(out), int32(in), beta)
+		r.launchDep(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), 0, y, x, w, int32(n), int32(out), int32(in), beta)
 		return
 	}
 	if !b.opts.BatchInvariant && n <= b.fn.gemvMax && b.fn.gemvF32 != nil && in%8 == 0 {
@@ -388,7 +399,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		vc := kc + layerBytes
 		if fused {
 			f := b.fn.g2QKV
-			r.launch(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
+			r.launchDep(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
 				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), vt, c.NormEps,
 				int32(c.Heads), int32(c.KVHeads), interleaved)
 		} else if sk && b.fn.skQKV != nil {
@@ -396,7 +407,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 			f := &b.fn
 			rb := ceilDiv(qd+2*kvd, skRows)
 			s, cps := skSplit(f.skCap, rb, dim)
-			r.launch(f.skQKV, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.q, kc, vc, d.xb, w.wqkv,
+			r.launchDep(f.skQKV, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.q, kc, vc, d.xb, w.wqkv,
 				w.bqkv, meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), int32(c.Heads),
 				int32(c.KVHeads), interleaved, int32(cps), f.skPart, f.skCnt)
 		} else {
@@ -437,13 +448,13 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
 		if fused {
 			f := b.fn.g2SiLU
-			r.launch(f, b.g2Grid(f, hid), cu.D1(g2Threads), xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
+			r.launchDep(f, b.g2Grid(f, hid), cu.D1(g2Threads), xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
 				int32(dim), vt, c.NormEps)
 		} else if sk && b.fn.skSiLU != nil {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
 			f := &b.fn
 			s, cps := skSplit(f.skCap, hid/64, dim)
-			r.launch(f.skSiLU, cu.Dim3{X: uint32(hid / 64), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.h, d.xb, w.w13,
+			r.launchDep(f.skSiLU, cu.Dim3{X: uint32(hid / 64), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.h, d.xb, w.w13,
 				int32(n), int32(hid), int32(dim), int32(cps), f.skPart, f.skCnt)
 		} else {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
@@ -457,7 +468,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	}
 	if m > 0 && b.fused(m) {
 		f := b.fn.g2Norm
-		r.launch(f, b.g2Grid(f, (c.Vocab+1)/2), cu.D1(g2Threads), uint32(m*dim*2), d.logits, d.x, b.w.norm,
+		r.launchDep(f, b.g2Grid(f, (c.Vocab+1)/2), cu.D1(g2Threads), uint32(m*dim*2), d.logits, d.x, b.w.norm,
 			meta(p.lrows), b.w.lmHead, int32(m), int32(c.Vocab), int32(dim), vt, c.NormEps)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: logits: %w", r.err)

@@ -13,7 +13,8 @@ import (
 // path, graphs on: buckets 1, 2, 4, 4) and 6 and 13 (bucket 8 and 16: gemm_sk
 // or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
 // old kernels' logits bit for bit (these dims reduce rmsnorm in its own
-// order); all the new kernels together must stay near them. Shapes: head dims 8 to 128,
+// order); all the new kernels together must stay near them, and give the
+// same bits launched with programmatic dependent launch (tuning pdl). Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
 // that the GEMV cannot read (172).
 func TestFusedDecode(t *testing.T) {
@@ -56,11 +57,15 @@ func TestFusedDecode(t *testing.T) {
 			old := mk(tuning{noFused: true, decodeV1: true, skinnyMax: -1})
 			fusedOld := mk(tuning{decodeV1: true, skinnyMax: -1})
 			nw := mk(tuning{})
+			pdl := mk(tuning{pdl: true})
 			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
 				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
 			}
 			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
+			}
+			if !pdl.fn.pdl {
+				t.Logf("programmatic dependent launch not available: not compared")
 			}
 			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil {
 				t.Fatalf("attn_decode2 %v, gemm_sk %v: not loaded", nw.fn.attnDecode2 != nil, nw.fn.skPlain != nil)
@@ -72,15 +77,25 @@ func TestFusedDecode(t *testing.T) {
 				for i := range prompts {
 					prompts[i] = randPrompt(r, 5+37*i%140, V)
 				}
-				res := lockstep(t, []*Backend{old, fusedOld, nw}, prompts, base, per, steps)
+				res := lockstep(t, []*Backend{old, fusedOld, nw, pdl}, prompts, base, per, steps)
 				base += n
 				if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
 					t.Errorf("batch %d: fused GEMVs vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+				}
+				if pdl.fn.pdl {
+					if d, _, am := compareSteps(res[2], res[3]); d != 0 || am != 0 {
+						t.Errorf("batch %d: programmatic launches vs plain ones: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+					}
 				}
 				d, rel, am := compareSteps(res[0], res[2])
 				t.Logf("batch %d: fused + attn_decode2 vs old kernels: max abs diff %.3g, rel %.3g, %d greedy tokens differ", n, d, rel, am)
 				if !(rel <= 2e-2) {
 					t.Errorf("batch %d: new kernels vs old: relative error %g > 2e-2", n, rel)
+				}
+			}
+			for _, b := range []*Backend{nw, pdl} {
+				if st := b.GraphStats(); st.Captures < len(groups) || st.Replays == 0 {
+					t.Errorf("pdl %v: decode graphs not captured: %+v", b.fn.pdl, st)
 				}
 			}
 		})

@@ -38,7 +38,11 @@ type tuning struct {
 	// skinnyMax: decode GEMMs of gemvMax+1 .. skinnyMax tokens run
 	// gemm_sk_* (0: 32, the most it takes; -1: cuBLAS).
 	skinnyMax int
-	noV2      bool // compile without the second-generation kernels
+	// pdl launches the fused GEMVs and skinny GEMMs with programmatic
+	// dependent launch (each prefetches its weights while the kernel ahead
+	// of it finishes).
+	pdl  bool
+	noV2 bool // compile without the second-generation kernels
 }
 
 // v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that
@@ -69,6 +73,7 @@ type kernels struct {
 	skPlain, skQKV, skSiLU *cu.Function
 	skMax, skCap           int
 	skPart, skCnt          cu.DevicePtr
+	pdl                    bool // tuning pdl, and the driver takes such launches
 }
 
 // Launch shapes of the small kernels.
@@ -231,6 +236,16 @@ func (b *Backend) loadKernels() error {
 	if tu.skinnyMax >= 0 {
 		if err := b.loadSkinny(min(cmp.Or(tu.skinnyMax, skMaxN), skMaxN)); err != nil {
 			return err
+		}
+	}
+	if tu.pdl {
+		// read_bw over nothing: touches no memory.
+		err := b.stream.LaunchPDL(f.readBW, cu.D1(1), cu.D1(32), 0, cu.DevicePtr(0), int64(0), cu.DevicePtr(0))
+		if err == nil {
+			err = b.stream.Synchronize()
+		}
+		if f.pdl = err == nil; !f.pdl {
+			b.lg.Warn("programmatic dependent launch not available", zap.Error(err))
 		}
 	}
 	if fw > 0 && hd%32 == 0 && hd <= 128 {
