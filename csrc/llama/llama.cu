@@ -1461,22 +1461,29 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(float *part_o, flo
 // attn_decode2: attn_decode's split-K decode attention in one pass over the
 // split's keys (same arguments, but scale_log2 = log2(e)/sqrt(HEAD_DIM) in
 // place of div; same partial layout and fixed split). D2_L lanes read one
-// key's 16-byte chunks; each of the D2_SLOTS key slots of the block (a group
-// of D2_L lanes) streams keys slot, slot + D2_SLOTS, ... with an online
-// softmax, loading D2_U keys' K and V rows at once (2*D2_U 16-byte loads in
-// flight per lane); the GQA_GROUP query heads share every load. The slots'
-// states merge in shared memory in slot order, so the result depends only on
-// the sequence. part_ml holds m in natural-log units, as attn_combine reads.
+// key's 16-byte chunks; each of the key slots of the block (a group of D2_L
+// lanes) streams keys slot, slot + slots, ... with an online softmax,
+// loading D2_U keys' K and V rows at once (2*D2_U 16-byte loads in flight
+// per lane); the GQA_GROUP query heads share every load. The slots' states
+// merge in shared memory in slot order, so the result depends only on the
+// sequence. part_ml holds m in natural-log units, as attn_combine reads.
+// With out != 0 the last split block of a (query, kv head) to finish (a
+// counter in cnt[z*nkv + g], reset after) merges the splits into out as
+// attn_combine would, with the same arithmetic: no combine launch.
+// attn_decode2: 4 warps; attn_decode2_w8: 8 (twice the loads in flight per
+// block, for grids smaller than the GPU; GQA_GROUP <= 4).
 #define D2_L (HEAD_DIM / 8)
 #define D2_KPW (32 / D2_L)
-#define D2_WARPS 4
-#define D2_SLOTS (D2_WARPS * D2_KPW)
 #define D2_U 4
-extern "C" __global__ void __launch_bounds__(D2_WARPS * 32) attn_decode2(float *part_o, float *part_ml, const T *q,
-	const T *kc, const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size,
-	int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
-	__shared__ __align__(16) float os[D2_SLOTS][GQA_GROUP][HEAD_DIM];
-	__shared__ float ms[D2_SLOTS][GQA_GROUP], ls[D2_SLOTS][GQA_GROUP];
+template <int WARPS>
+__device__ __forceinline__ void attn_decode2_body(float *part_o, float *part_ml, const T *q, const T *kc, const T *vc,
+	const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size, int nsplit, int nheads, int nkv,
+	int qi0, float scale_log2, T *out, int *cnt) {
+	const int D2_SLOTS = WARPS * D2_KPW;
+	pdl_trigger();
+	__shared__ __align__(16) float os[WARPS * D2_KPW][GQA_GROUP][HEAD_DIM];
+	__shared__ float ms[WARPS * D2_KPW][GQA_GROUP], ls[WARPS * D2_KPW][GQA_GROUP];
+	__shared__ int lastb;
 	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
 	int npos = pos[qi] + 1;
 	int k0 = split * ATT_SPLIT;
@@ -1595,7 +1602,41 @@ extern "C" __global__ void __launch_bounds__(D2_WARPS * 32) attn_decode2(float *
 			part_ml[base * 2 + 1] = L;
 		}
 	}
+	if (!out) return;
+	int ns = (pos[qi] + ATT_SPLIT) / ATT_SPLIT;
+	__threadfence();
+	__syncthreads();
+	if (threadIdx.x == 0) lastb = atomicAdd(&cnt[z * nkv + g], 1) == ns - 1;
+	__syncthreads();
+	if (!lastb) return;
+	__threadfence();
+	for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += blockDim.x) {
+		int hh = g * GQA_GROUP + i / HEAD_DIM, d = i % HEAD_DIM;
+		long long base = ((long long)z * nheads + hh) * nsplit;
+		float M = NEG_INF;
+		for (int s2 = 0; s2 < ns; s2++) M = fmaxf(M, ld_cg(part_ml + (base + s2) * 2));
+		float L = 0.f;
+		for (int s2 = 0; s2 < ns; s2++) L += ld_cg(part_ml + (base + s2) * 2 + 1) * expf(ld_cg(part_ml + (base + s2) * 2) - M);
+		float a = 0.f;
+		for (int s2 = 0; s2 < ns; s2++) a += ld_cg(part_o + (base + s2) * HEAD_DIM + d) * expf(ld_cg(part_ml + (base + s2) * 2) - M);
+		st(out, (long long)qrow[qi] * nheads * HEAD_DIM + (long long)hh * HEAD_DIM + d, a / L);
+	}
+	if (threadIdx.x == 0) cnt[z * nkv + g] = 0;
 }
+extern "C" __global__ void __launch_bounds__(128) attn_decode2(float *part_o, float *part_ml, const T *q, const T *kc,
+	const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size, int nsplit, int nheads,
+	int nkv, int qi0, float scale_log2, T *out, int *cnt) {
+	attn_decode2_body<4>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0,
+		scale_log2, out, cnt);
+}
+#if GQA_GROUP <= 4 // shared memory: 8 KiB per warp and query head
+extern "C" __global__ void __launch_bounds__(256) attn_decode2_w8(float *part_o, float *part_ml, const T *q,
+	const T *kc, const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size,
+	int nsplit, int nheads, int nkv, int qi0, float scale_log2, T *out, int *cnt) {
+	attn_decode2_body<8>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0,
+		scale_log2, out, cnt);
+}
+#endif
 #endif
 
 #if USE_BF16 && (HEAD_DIM % 32 == 0) && (HEAD_DIM <= 128)

@@ -433,16 +433,23 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		}
 		for q0 := 0; q0 < p.ng; q0 += qchunk {
 			cnt := uint32(min(qchunk, p.ng-q0))
-			af, at, last := b.fn.attnSplit, uint32(b.fn.attThreads), div
-			if b.fn.attnDecode2 != nil {
-				af, at, last = b.fn.attnDecode2, 128, scaleLog2
-			} else if b.fn.attnDecode != nil {
-				af, at = b.fn.attnDecode, 128
+			grid := cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}
+			args := []any{d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
+				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0)}
+			f := &b.fn
+			switch {
+			case f.attnDecode2 != nil && f.attnCnt != 0 && int(cnt) <= f.attnCntQ:
+				// The last split block of each query merges: no combine.
+				r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, scaleLog2, d.att, f.attnCnt)...)
+				continue
+			case f.attnDecode2 != nil:
+				r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, scaleLog2, null, null)...)
+			case f.attnDecode != nil:
+				r.launch(f.attnDecode, grid, cu.D1(128), 0, append(args, div)...)
+			default:
+				r.launch(f.attnSplit, grid, cu.D1(uint32(f.attThreads)), 0, append(args, div)...)
 			}
-			r.launch(af, cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}, cu.D1(at), 0,
-				d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
-				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0), last)
-			r.launch(b.fn.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(b.fn.combineThreads)), 0,
+			r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
 				d.att, d.part, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
 		}
 		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)

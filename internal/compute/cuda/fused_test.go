@@ -13,8 +13,9 @@ import (
 // path, graphs on: buckets 1, 2, 4, 4) and 6 and 13 (bucket 8 and 16: gemm_sk
 // or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
 // old kernels' logits bit for bit (these dims reduce rmsnorm in its own
-// order); all the new kernels together must stay near them, and give the
-// same bits launched with programmatic dependent launch (tuning pdl). Shapes: head dims 8 to 128,
+// order); all the new kernels together must stay near them (with the 4- and
+// 8-warp attention), and give the same bits with attn_combine instead of
+// attn_decode2's own merge and launched with programmatic dependent launch. Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
 // that the GEMV cannot read (172).
 func TestFusedDecode(t *testing.T) {
@@ -57,19 +58,27 @@ func TestFusedDecode(t *testing.T) {
 			old := mk(tuning{noFused: true, decodeV1: true, skinnyMax: -1})
 			fusedOld := mk(tuning{decodeV1: true, skinnyMax: -1})
 			nw := mk(tuning{})
+			sep := mk(tuning{noFuseCombine: true})
 			pdl := mk(tuning{pdl: true})
+			w8 := mk(tuning{decode2W8: true})
 			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
 				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
 			}
 			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
 			}
+			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil || nw.fn.attnCnt == 0 || sep.fn.attnCnt != 0 {
+				t.Fatalf("attn_decode2 %v (merging %v), gemm_sk %v: not loaded as asked", nw.fn.attnDecode2 != nil,
+					nw.fn.attnCnt != 0, nw.fn.skPlain != nil)
+			}
 			if !pdl.fn.pdl {
 				t.Logf("programmatic dependent launch not available: not compared")
 			}
-			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil {
-				t.Fatalf("attn_decode2 %v, gemm_sk %v: not loaded", nw.fn.attnDecode2 != nil, nw.fn.skPlain != nil)
+			hasW8 := w8.fn.d2Threads == 256
+			if m.Config.Heads/m.Config.KVHeads <= 4 && !hasW8 {
+				t.Errorf("attn_decode2_w8 not loaded")
 			}
+			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8}
 			r := newRand(uint64(len(sh.name)))
 			base := 0
 			for _, n := range groups {
@@ -77,20 +86,25 @@ func TestFusedDecode(t *testing.T) {
 				for i := range prompts {
 					prompts[i] = randPrompt(r, 5+37*i%140, V)
 				}
-				res := lockstep(t, []*Backend{old, fusedOld, nw, pdl}, prompts, base, per, steps)
+				res := lockstep(t, bs, prompts, base, per, steps)
 				base += n
-				if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
-					t.Errorf("batch %d: fused GEMVs vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
-				}
-				if pdl.fn.pdl {
-					if d, _, am := compareSteps(res[2], res[3]); d != 0 || am != 0 {
-						t.Errorf("batch %d: programmatic launches vs plain ones: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+				exact := func(what string, a, b int) {
+					if d, _, am := compareSteps(res[a], res[b]); d != 0 || am != 0 {
+						t.Errorf("batch %d: %s: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, what, d, am)
 					}
 				}
-				d, rel, am := compareSteps(res[0], res[2])
-				t.Logf("batch %d: fused + attn_decode2 vs old kernels: max abs diff %.3g, rel %.3g, %d greedy tokens differ", n, d, rel, am)
-				if !(rel <= 2e-2) {
-					t.Errorf("batch %d: new kernels vs old: relative error %g > 2e-2", n, rel)
+				exact("fused GEMVs vs separate kernels", 0, 1)
+				exact("attn_decode2 merging its splits vs attn_combine", 2, 3)
+				if pdl.fn.pdl {
+					exact("programmatic launches vs plain ones", 2, 4)
+				}
+				for _, k := range []int{2, 5} {
+					d, rel, am := compareSteps(res[0], res[k])
+					t.Logf("batch %d: new kernels (%d-thread attention) vs old: max abs diff %.3g, rel %.3g, %d greedy tokens differ",
+						n, bs[k].fn.d2Threads, d, rel, am)
+					if !(rel <= 2e-2) {
+						t.Errorf("batch %d: new kernels (%d-thread attention) vs old: relative error %g > 2e-2", n, bs[k].fn.d2Threads, rel)
+					}
 				}
 			}
 			for _, b := range []*Backend{nw, pdl} {

@@ -56,7 +56,7 @@ func TestKernelBench8B(t *testing.T) {
 	kb.add("skinny GEMM: %d blocks resident; splits (qkv, wo, gate/up, down, logits) %v", b.fn.skCap, kb.splits())
 	for _, name := range []string{"gemv_f32out", "gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu", "gemm_sk_plain",
 		"gemm_sk_qkv", "gemm_sk_silu", "rmsnorm", "rope_kv",
-		"silu_mul", "attn_split", "attn_decode", "attn_decode2", "attn_combine"} {
+		"silu_mul", "attn_split", "attn_decode", "attn_decode2", "attn_decode2_w8", "attn_combine"} {
 		f := kb.fn(name)
 		regs, _ := f.Attribute(cu.FuncAttrNumRegs)
 		local, _ := f.Attribute(cu.FuncAttrLocalSizeBytes)
@@ -574,8 +574,8 @@ func (k *kbench) smallKernels() {
 	}
 }
 
-// attention times attn_split, attn_decode and attn_decode2 (+ attn_combine)
-// at batch 1..256 and contexts 1K..32K of one layer (the 8B shape: 8 KV
+// attention times attn_split, attn_decode and attn_decode2 (+ attn_combine),
+// attn_decode2 merging its own splits (4 and 8 warps) at batch 1..256 and contexts 1K..32K of one layer (the 8B shape: 8 KV
 // heads of 128, GQA 4) over an 8 GiB pool of 64-token pages, page tables
 // random; the floor is the K and V bytes read once.
 func (k *kbench) attention() {
@@ -591,7 +591,7 @@ func (k *kbench) attention() {
 	k.randT(q, maxBS*uint64(qd), 43, 1)
 	maxSplit := ceilDiv(maxCtx+1, b.fn.split)
 	part := k.alloc(maxBS * uint64(c.Heads) * uint64(maxSplit) * uint64(hd+2) * 4)
-	var att [3]cu.DevicePtr
+	var att [5]cu.DevicePtr
 	for i := range att {
 		att[i] = k.alloc(maxBS * uint64(qd) * 2)
 	}
@@ -610,12 +610,19 @@ func (k *kbench) attention() {
 	}
 	k.put(pages, pg)
 	f := &b.fn
-	split, dec1, dec2, comb := k.fn("attn_split"), k.fn("attn_decode"), k.fn("attn_decode2"), k.fn("attn_combine")
+	split, dec1, dec2, dec2w8, comb := k.fn("attn_split"), k.fn("attn_decode"), k.fn("attn_decode2"), k.fn("attn_decode2_w8"),
+		k.fn("attn_combine")
+	if f.attnCnt == 0 {
+		k.fail("attn_decode2 has no split counters (it would not merge)")
+		return
+	}
 	div := float32(math.Sqrt(float64(hd)))
 	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
+	null := cu.DevicePtr(0)
 	k.add("")
-	k.add("| attention, one layer (attn + combine) | batch | ctx | floor us | attn_split us | attn_decode us (%% HBM) | attn_decode2 us (%% HBM) | + combine us | decode2 vs split |")
-	k.add("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+	k.add("attention variants: split = attn_split + attn_combine (the f32 reference), decode = attn_decode + combine (old), d2 = attn_decode2 + combine, d2m = attn_decode2 merging its own splits (the default), d2m8 = attn_decode2_w8 merging; us per layer, %% of HBM on the K and V bytes")
+	k.add("| attention, one layer | batch | ctx | floor us | split us | decode us (%%) | d2 us (%%) | d2m us (%%) | d2m8 us (%%) | combine alone us | checks |")
+	k.add("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, cs := range []struct{ bs, ctx int }{{1, 1024}, {1, 8192}, {1, 32768}, {8, 1024}, {8, 8192}, {8, 32768},
 		{32, 1024}, {32, 8192}, {32, 32768}, {128, 1024}, {128, 8192}, {128, 32768}, {256, 1024}, {256, 8192}, {256, 32768}} {
 		ps32 := make([]int32, maxBS)
@@ -629,18 +636,23 @@ func (k *kbench) attention() {
 		floorUS := kvBytes / k.bw * 1e6
 		inner := max(1, min(20, int(2000/floorUS)))
 		grid := cu.Dim3{X: uint32(nsplit), Y: uint32(c.KVHeads), Z: uint32(cs.bs)}
-		run := func(fn *cu.Function, threads uint32, last float32) func(int) {
-			return func(int) {
-				k.launch(fn, grid, cu.D1(threads), 0, part, partML, q, kc, vc, qrow, pos, ptoff, pages, int32(ps),
-					int32(nsplit), int32(c.Heads), int32(c.KVHeads), int32(0), last)
-			}
+		args := func(last ...any) []any {
+			return append([]any{part, partML, q, kc, vc, qrow, pos, ptoff, pages, int32(ps), int32(nsplit), int32(c.Heads),
+				int32(c.KVHeads), int32(0)}, last...)
 		}
 		combine := func(out cu.DevicePtr) {
 			k.launch(comb, cu.Dim3{X: uint32(c.Heads), Y: uint32(cs.bs), Z: 1}, cu.D1(uint32(f.combineThreads)), 0, out, part,
 				partML, qrow, pos, int32(nsplit), int32(c.Heads), int32(0))
 		}
-		kern := []func(int){run(split, uint32(f.attThreads), div), run(dec1, 128, div), run(dec2, 128, scaleLog2)}
-		var got [3][]float32
+		kern := []func(int){
+			func(int) { k.launch(split, grid, cu.D1(uint32(f.attThreads)), 0, args(div)...); combine(att[0]) },
+			func(int) { k.launch(dec1, grid, cu.D1(128), 0, args(div)...); combine(att[1]) },
+			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, null, null)...); combine(att[2]) },
+			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, att[3], f.attnCnt)...) },
+			func(int) { k.launch(dec2w8, grid, cu.D1(256), 0, args(scaleLog2, att[4], f.attnCnt)...) },
+		}
+		var got [5][]float32
+		var raw [5][]byte
 		check := cs.bs*cs.ctx <= 32*8192
 		for i, fn := range kern {
 			if !check {
@@ -651,13 +663,13 @@ func (k *kbench) attention() {
 				k.t.Fatal(err)
 			}
 			fn(0)
-			combine(att[i])
-			got[i] = bf16s(k.get(att[i], uint64(cs.bs*qd*2)))
+			raw[i] = k.get(att[i], uint64(cs.bs*qd*2))
+			got[i] = bf16s(raw[i])
 		}
 		verdict := "not checked"
 		if check {
 			verdict = ""
-			for i, name := range []string{"attn_decode", "attn_decode2"} {
+			for i, name := range []string{"decode", "d2", "d2m", "d2m8"} {
 				e := relErr(got[i+1], got[0])
 				nan := 0
 				for _, v := range got[i+1] {
@@ -668,21 +680,26 @@ func (k *kbench) attention() {
 				if !(e < 1e-2) || nan > 0 {
 					k.fail("%s batch %d ctx %d: rel err %.3g vs attn_split, %d unwritten", name, cs.bs, cs.ctx, e, nan)
 				}
-				verdict += fmt.Sprintf("%s %.1e ", strings.TrimPrefix(name, "attn_"), e)
+				verdict += fmt.Sprintf("%s %.1e ", name, e)
+			}
+			if !bytes.Equal(raw[3], raw[2]) {
+				k.fail("batch %d ctx %d: attn_decode2 merging its splits differs from attn_combine's merge", cs.bs, cs.ctx)
+				verdict += "d2m != d2 "
+			} else {
+				verdict += "d2m == d2 "
 			}
 		}
-		var us [3]float64
+		var us [5]float64
 		for i, fn := range kern {
 			if i == 0 && cs.bs*cs.ctx > 128*8192 {
-				continue // the reference kernel is slow here; the other two are what matter
+				continue // the reference kernel is slow here; the others are what matter
 			}
 			us[i] = k.time(inner, fn)
 		}
 		cus := k.time(inner, func(int) { combine(att[2]) })
-		_, p1 := k.gbs(kvBytes, us[1])
-		_, p2 := k.gbs(kvBytes, us[2])
-		k.add("| attention | %d | %d | %.1f | %.1f | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f | %s|", cs.bs, cs.ctx, floorUS, us[0],
-			us[1], p1, us[2], p2, cus, verdict)
+		pc := func(i int) float64 { _, p := k.gbs(kvBytes, us[i]); return p }
+		k.add("| attention | %d | %d | %.1f | %.1f | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f | %s|", cs.bs, cs.ctx,
+			floorUS, us[0], us[1], pc(1), us[2], pc(2), us[3], pc(3), us[4], pc(4), cus, verdict)
 	}
 }
 

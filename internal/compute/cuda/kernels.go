@@ -32,6 +32,10 @@ type tuning struct {
 	flashWarps int
 	noDecode   bool // attn_split instead of attn_decode2 / attn_decode
 	decodeV1   bool // attn_decode instead of attn_decode2
+	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
+	// noFuseCombine: attn_decode2 leaves the merge of the splits to
+	// attn_combine.
+	noFuseCombine bool
 	// noFused: small batches run rmsnorm, gemv_*, rope_kv and silu_mul as
 	// separate kernels instead of the fused gemv2_* layer.
 	noFused bool
@@ -74,6 +78,11 @@ type kernels struct {
 	skMax, skCap           int
 	skPart, skCnt          cu.DevicePtr
 	pdl                    bool // tuning pdl, and the driver takes such launches
+	// attnDecode2 runs d2Threads threads a block; with attnCnt (counters
+	// for attnCntQ queries of a launch) it merges the splits itself.
+	d2Threads int
+	attnCnt   cu.DevicePtr
+	attnCntQ  int
 }
 
 // Launch shapes of the small kernels.
@@ -225,6 +234,23 @@ func (b *Backend) loadKernels() error {
 	if !tu.noDecode && 32%(hd/8) == 0 {
 		if !tu.decodeV1 && group <= 8 {
 			opt(&f.attnDecode2, "attn_decode2")
+			f.d2Threads = 128
+			if tu.decode2W8 {
+				if p, e := b.mod.Function("attn_decode2_w8"); e == nil {
+					f.attnDecode2, f.d2Threads = p, 256
+				}
+			}
+		}
+		if f.attnDecode2 != nil && !tu.noFuseCombine {
+			const q = 4096
+			p, err := b.alloc(uint64(q * b.cfg.KVHeads * 4))
+			if err != nil {
+				return fmt.Errorf("cuda backend: attention counters: %w", err)
+			}
+			if err := b.cx.MemsetD8(p, 0, uint64(q*b.cfg.KVHeads*4)); err != nil {
+				return err
+			}
+			f.attnCnt, f.attnCntQ = p, q
 		}
 		if f.attnDecode2 == nil && 4*(group*f.split+4*(256/hd)*group*hd+2*group) <= 48<<10 {
 			opt(&f.attnDecode, "attn_decode")
