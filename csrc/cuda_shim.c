@@ -88,6 +88,7 @@ int mc_cuda_bind(void *lib, char *missing, int missing_len) {
 	REQ(cuLaunchKernel, "cuLaunchKernel", NULL, NULL);
 	/* Optional: older drivers lack VMM (10.2+) or cuFuncSetAttribute (9.0+). */
 	OPT(cuFuncSetAttribute, "cuFuncSetAttribute", NULL, NULL);
+	OPT(cuLaunchKernelEx, "cuLaunchKernelEx", NULL, NULL);
 	OPT(cuMemCreate, "cuMemCreate", NULL, NULL);
 	OPT(cuMemRelease, "cuMemRelease", NULL, NULL);
 	OPT(cuMemAddressReserve, "cuMemAddressReserve", NULL, NULL);
@@ -278,6 +279,30 @@ CUresult mc_cuLaunchKernel(CUcontext c, CUfunction f, unsigned int gx, unsigned 
 	WITH_CTX(c);
 	for (i = 0; i < nargs; i++) params[i] = args + offsets[i];
 	return CALL(cuLaunchKernel, f, gx, gy, gz, bx, by, bz, shmem, s, nargs ? params : NULL, NULL);
+}
+
+#define MC_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION 6
+CUresult mc_cuLaunchKernelPDL(CUcontext c, CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                              unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
+                              CUstream s, unsigned char *args, const unsigned int *offsets, int nargs) {
+	void *params[MC_MAX_KERNEL_ARGS];
+	mc_CUlaunchAttribute attr;
+	mc_CUlaunchConfig cfg;
+	int i;
+	if (nargs < 0 || nargs > MC_MAX_KERNEL_ARGS) return 1; /* CUDA_ERROR_INVALID_VALUE */
+	WITH_CTX(c);
+	for (i = 0; i < nargs; i++) params[i] = args + offsets[i];
+	memset(&attr, 0, sizeof attr);
+	attr.id = MC_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+	attr.value.i = 1;
+	memset(&cfg, 0, sizeof cfg);
+	cfg.gridDimX = gx, cfg.gridDimY = gy, cfg.gridDimZ = gz;
+	cfg.blockDimX = bx, cfg.blockDimY = by, cfg.blockDimZ = bz;
+	cfg.sharedMemBytes = shmem;
+	cfg.hStream = s;
+	cfg.attrs = &attr;
+	cfg.numAttrs = 1;
+	return CALL(cuLaunchKernelEx, &cfg, f, nargs ? params : NULL, NULL);
 }
 
 CUresult mc_cuStreamBeginCapture(CUcontext c, CUstream s, int mode) { WITH_CTX(c); return CALL(cuStreamBeginCapture, s, mode); }

@@ -61,6 +61,24 @@ typedef struct {
 } mc_CUgraphExecUpdateResultInfo;
 
 /* CUmemFabricHandle and CUipcMemHandle: 64 opaque bytes each. */
+/* CUlaunchAttribute and CUlaunchConfig (cuda.h, CUDA 12): the value is a
+ * 64-byte union at offset 8. */
+typedef struct {
+	int id;
+	char pad[4];
+	union {
+		char pad[64];
+		long long align;
+		int i;
+	} value;
+} mc_CUlaunchAttribute;
+typedef struct {
+	unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+	CUstream hStream;
+	mc_CUlaunchAttribute *attrs;
+	unsigned int numAttrs;
+} mc_CUlaunchConfig;
+
 typedef struct { unsigned char data[64]; } mc_CUmemFabricHandle;
 typedef struct { char reserved[64]; } mc_CUipcMemHandle;
 
@@ -147,6 +165,8 @@ typedef struct {
 	CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int,
 	                           unsigned int, unsigned int, unsigned int, unsigned int,
 	                           CUstream, void **, void **);
+	/* Optional (CUDA 12+): launches with attributes. */
+	CUresult (*cuLaunchKernelEx)(const mc_CUlaunchConfig *, CUfunction, void **, void **);
 
 	/* CUDA graphs (optional: a driver without them still binds). */
 	CUresult (*cuStreamBeginCapture)(CUstream, int /* CUstreamCaptureMode */); /* cuStreamBeginCapture_v2 */
@@ -249,6 +269,12 @@ CUresult mc_cuFuncGetAttribute(CUcontext c, int *v, int attr, CUfunction f);
 CUresult mc_cuLaunchKernel(CUcontext c, CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
                            unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
                            CUstream s, unsigned char *args, const unsigned int *offsets, int nargs);
+/* mc_cuLaunchKernelPDL: mc_cuLaunchKernel with programmatic stream
+ * serialization allowed (cuLaunchKernelEx; MC_CUDA_ERROR_SYMBOL_NOT_FOUND when
+ * the driver lacks it). */
+CUresult mc_cuLaunchKernelPDL(CUcontext c, CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz,
+                              unsigned int bx, unsigned int by, unsigned int bz, unsigned int shmem,
+                              CUstream s, unsigned char *args, const unsigned int *offsets, int nargs);
 
 CUresult mc_cuStreamBeginCapture(CUcontext c, CUstream s, int mode);
 /* On failure *g may still be set (an invalidated capture's graph): destroy it. */

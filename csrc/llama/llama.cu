@@ -97,8 +97,27 @@ __device__ float block_max(float v, float *red) {
 	return v;
 }
 
+// Programmatic dependent launch (sm_90): pdl_trigger lets the next kernel
+// on the stream, when launched with programmatic serialization
+// (Stream.LaunchPDL), start once every block of this one has triggered;
+// pdl_wait, in a kernel so launched, waits for the kernels ahead of it to
+// finish and their writes to be visible (a no-op otherwise). A kernel
+// launched that way touches nothing the kernels ahead of it use before
+// pdl_wait, and every one of its blocks runs pdl_wait.
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // embed: x[t] = table[tok[t]] (fp32 residual stream). grid n, any block.
 extern "C" __global__ void embed(float *x, const T *table, const int *tok, int dim) {
+	pdl_trigger();
 	int t = blockIdx.x;
 	const T *row = table + (long long)tok[t] * dim;
 	for (int i = threadIdx.x; i < dim; i += blockDim.x) x[(long long)t * dim + i] = ld(row, i);
@@ -116,6 +135,7 @@ extern "C" __global__ void embed(float *x, const T *table, const int *tok, int d
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm(T *out, const float *x, const float *w, const int *rows,
 	int dim, float eps) {
 	__shared__ float red[32];
+	pdl_trigger();
 	int r = blockIdx.x;
 	int src = rows ? rows[r] : r;
 	const float *xr = x + (long long)src * dim;
@@ -368,6 +388,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split(float *part
 // grid (heads, queries of this launch), block HEAD_DIM (or fewer) threads.
 extern "C" __global__ void attn_combine(T *out, const float *part_o, const float *part_ml, const int *qrow,
 	const int *pos, int nsplit, int nheads, int qi0) {
+	pdl_trigger();
 	int h = blockIdx.x, z = blockIdx.y, qi = qi0 + z;
 	int ns = (pos[qi] + ATT_SPLIT) / ATT_SPLIT;
 	long long base = ((long long)z * nheads + h) * nsplit;
@@ -778,6 +799,529 @@ extern "C" __global__ void __launch_bounds__(256) gemv_tout(bf16_t *Y, const bf1
 	int out, int in, float beta) {
 	gemv_rows<bf16_t>(Y, X, W, n, out, in, beta);
 }
+
+// gemv2_*: the decode GEMVs of the fused layer (n <= GEMV_MAXN tokens). Each
+// warp computes a unit of two weight rows (16-byte streaming loads, 8 in
+// flight per lane), units spread over a grid of any size (grid-stride), and
+// finishes the unit in its epilogue:
+//   G2_PLAIN  Y[t][r] = dot (+ beta*Y), rows (2u, 2u+1), f32 out
+//   G2_ROPE   rows (ia, ib) of one rotated pair of a q or k head, or two
+//             adjacent v rows: bias, RoPE at pos[t], q to q[t], k and v into
+//             the KV cache at slot[t] (none when slot < 0): rope_kv fused
+//   G2_SILU   rows (i, hidden+i) of the gate/up matrix: h[t][i] =
+//             silu(g)*u with g, u rounded to T first: silu_mul fused
+// With NORM the block first writes rmsnorm(x[rows[t]]) * normw as T into
+// shared memory ([n][in], n*in*2 bytes dynamic) and the GEMV reads X there:
+// rmsnorm fused. Its sum of squares runs over the first vt threads in the
+// order rmsnorm uses with vt threads, so with vt == rmsThreads(in) every
+// output equals rmsnorm + gemv_* (+ rope_kv / silu_mul) bit for bit. Each
+// lane sums its chunks lane, lane+32, ... in order, as gemv_rows does.
+// Block G2_THREADS threads; in % 8 == 0.
+#define G2_THREADS 256
+#define G2_PLAIN 0
+#define G2_ROPE 1
+#define G2_SILU 2
+struct g2_args {
+	const bf16_t *W;
+	const bf16_t *X;      // !NORM: [n][in] in global memory
+	const float *x;       // NORM: f32 rows, gathered by rows (or 0: row t)
+	const float *normw;   // NORM: [in]
+	const int *rows;
+	float *Y;             // G2_PLAIN
+	bf16_t *q, *kc, *vc;  // G2_ROPE
+	const float *bias;    // G2_ROPE, may be 0
+	const int *pos;
+	const long long *slot;
+	const float2 *tab;
+	const double *inv_freq;
+	bf16_t *h;            // G2_SILU
+	int n, out, in, vt, ntab, nheads, nkv, interleaved;
+	float beta, eps;
+};
+
+// g2_rows maps unit u to its two weight rows (r1 < 0: none).
+template <int MODE>
+__device__ __forceinline__ void g2_rows(const g2_args &a, int u, int &r0, int &r1) {
+	if (MODE == G2_PLAIN) {
+		r0 = 2 * u;
+		r1 = r0 + 1 < a.out ? r0 + 1 : -1;
+	} else if (MODE == G2_SILU) {
+		r0 = u;
+		r1 = a.out + u;
+	} else {
+		const int half = HEAD_DIM / 2;
+		int npairs = (a.nheads + a.nkv) * half;
+		if (u < npairs) {
+			int hh = u / half, i = u - hh * half, base = hh * HEAD_DIM;
+			if (a.interleaved) {
+				r0 = base + 2 * i;
+				r1 = r0 + 1;
+			} else {
+				r0 = base + i;
+				r1 = base + i + half;
+			}
+		} else {
+			r0 = (a.nheads + a.nkv) * HEAD_DIM + 2 * (u - npairs);
+			r1 = r0 + 1;
+		}
+	}
+}
+
+template <int MODE>
+__device__ __forceinline__ void g2_epilogue(const g2_args &a, int u, int r0, int r1, int t, float v0, float v1) {
+	if (MODE == G2_PLAIN) {
+		long long i0 = (long long)t * a.out + r0;
+		if (a.beta != 0.f) v0 = v0 + a.beta * a.Y[i0];
+		a.Y[i0] = v0;
+		if (r1 >= 0) {
+			if (a.beta != 0.f) v1 = v1 + a.beta * a.Y[i0 + 1];
+			a.Y[i0 + 1] = v1;
+		}
+	} else if (MODE == G2_SILU) {
+		float g = bf2f(f2bf(v0)), up = bf2f(f2bf(v1));
+		a.h[(long long)t * a.out + u] = f2bf(g * (1.0f / (1.0f + expf(-g))) * up);
+	} else {
+		const int half = HEAD_DIM / 2;
+		int QD = a.nheads * HEAD_DIM, KVD = a.nkv * HEAD_DIM;
+		int npairs = (a.nheads + a.nkv) * half;
+		if (a.bias) {
+			v0 += a.bias[r0];
+			v1 += a.bias[r1];
+		}
+		long long s = a.slot[t];
+		if (u >= npairs) {
+			if (s >= 0) {
+				st(a.vc, s + (r0 - QD - KVD), v0);
+				st(a.vc, s + (r1 - QD - KVD), v1);
+			}
+			return;
+		}
+		int i = u % half, p = a.pos[t];
+		float c, sv;
+		if (p < a.ntab) {
+			float2 cs = a.tab[(long long)p * half + i];
+			c = cs.x;
+			sv = cs.y;
+		} else {
+			double an = (double)p * a.inv_freq[i];
+			c = (float)cos(an);
+			sv = (float)sin(an);
+		}
+		float ra = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, sv));
+		float rb = __fadd_rn(__fmul_rn(v0, sv), __fmul_rn(v1, c));
+		if (r0 < QD) {
+			st(a.q, (long long)t * QD + r0, ra);
+			st(a.q, (long long)t * QD + r1, rb);
+		} else if (s >= 0) {
+			st(a.kc, s + (r0 - QD), ra);
+			st(a.kc, s + (r1 - QD), rb);
+		}
+	}
+}
+
+// g2_norm writes rmsnorm(x[rows[t]]) * normw for t < n into xs as T.
+__device__ __forceinline__ void g2_norm(const g2_args &a, bf16_t *xs, float *red) {
+	int nc = a.in >> 3;
+	for (int t = 0; t < a.n; t++) {
+		int src = a.rows ? a.rows[t] : t;
+		const float *xr = a.x + (long long)src * a.in;
+		float ss = 0.f;
+		if ((int)threadIdx.x < a.vt) {
+			for (int c = threadIdx.x; c < nc; c += a.vt) {
+				float v[8];
+				load8(xr + c * 8, v);
+#pragma unroll
+				for (int e = 0; e < 8; e++) ss += v[e] * v[e];
+			}
+		}
+		ss = block_sum(ss, red);
+		float sc = 1.0f / sqrtf(ss / (float)a.in + a.eps);
+		for (int c = threadIdx.x; c < nc; c += blockDim.x) {
+			float v[8], w[8], o[8];
+			load8(xr + c * 8, v);
+			load8(a.normw + c * 8, w);
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[e] = w[e] * (sc * v[e]);
+			store8(xs + (long long)t * a.in + c * 8, o);
+		}
+	}
+	__syncthreads();
+}
+
+// g2_fma accumulates one 8-element chunk of two rows against X's chunk.
+template <bool NORM>
+__device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c, uint4 wa, uint4 wb, float *acc0,
+	float *acc1) {
+	float fa[8], fb[8];
+	unpack8(wa, fa);
+	unpack8(wb, fb);
+#pragma unroll
+	for (int t = 0; t < GEMV_MAXN; t++) {
+		if (t < a.n) {
+			float xf[8];
+			if (NORM)
+				unpack8(*(const uint4 *)(xs + (long long)t * a.in + c * 8), xf);
+			else
+				load8(a.X + (long long)t * a.in + c * 8, xf);
+#pragma unroll
+			for (int e = 0; e < 8; e++) acc0[t] = fmaf(fa[e], xf[e], acc0[t]);
+#pragma unroll
+			for (int e = 0; e < 8; e++) acc1[t] = fmaf(fb[e], xf[e], acc1[t]);
+		}
+	}
+}
+
+template <int MODE, bool NORM>
+__device__ __forceinline__ void gemv2(const g2_args &a, int units) {
+	extern __shared__ __align__(16) unsigned char g2_smem[];
+	__shared__ float red[32];
+	bf16_t *xs = (bf16_t *)g2_smem;
+	int lane = threadIdx.x & 31;
+	int gw = blockIdx.x * (G2_THREADS / 32) + (threadIdx.x >> 5), nw = gridDim.x * (G2_THREADS / 32);
+	int nc = a.in >> 3;
+	pdl_trigger();
+	// Start the first unit's weights towards L2 while the kernel ahead
+	// finishes (launched programmatically) and the block normalises x.
+	if (gw < units) {
+		int r0, r1;
+		g2_rows<MODE>(a, gw, r0, r1);
+		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+#pragma unroll
+		for (int u4 = 0; u4 < 4; u4++) {
+			int c = lane + 32 * u4;
+			if (c < nc) {
+				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
+				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
+			}
+		}
+	}
+	pdl_wait();
+	if (NORM) g2_norm(a, xs, red);
+	for (int u = gw; u < units; u += nw) {
+		int r0, r1;
+		g2_rows<MODE>(a, u, r0, r1);
+		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+		float acc0[GEMV_MAXN], acc1[GEMV_MAXN];
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++) acc0[t] = acc1[t] = 0.f;
+		int c = lane;
+		for (; c + 96 < nc; c += 128) {
+			uint4 wa[4], wb[4];
+#pragma unroll
+			for (int u4 = 0; u4 < 4; u4++) {
+				wa[u4] = ldg_stream(w0 + (c + 32 * u4) * 8);
+				wb[u4] = ldg_stream(w1 + (c + 32 * u4) * 8);
+			}
+#pragma unroll
+			for (int u4 = 0; u4 < 4; u4++) g2_fma<NORM>(a, xs, c + 32 * u4, wa[u4], wb[u4], acc0, acc1);
+		}
+		for (; c < nc; c += 32) g2_fma<NORM>(a, xs, c, ldg_stream(w0 + c * 8), ldg_stream(w1 + c * 8), acc0, acc1);
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++) {
+			for (int o = 16; o > 0; o >>= 1) {
+				acc0[t] += __shfl_xor_sync(0xffffffffu, acc0[t], o);
+				acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], o);
+			}
+		}
+		// Every lane holds every sum (a butterfly adds the same two values
+		// on both partners); lane t finishes token t.
+#pragma unroll
+		for (int t = 0; t < GEMV_MAXN; t++)
+			if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, r0, r1, t, acc0[t], acc1[t]);
+	}
+}
+
+// gemv2_plain: Y[t] (f32) = X[t] . W^T + beta*Y[t], X in global memory (wo, w2).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, const bf16_t *X, const bf16_t *W,
+	int n, int out, int in, float beta) {
+	g2_args a = {};
+	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
+	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
+}
+// gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
+	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.rows = rows, a.Y = Y, a.n = n, a.out = out, a.in = in, a.vt = vt, a.eps = eps;
+	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
+}
+// gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
+// write (rope_kv's arguments, in = dim).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkv(bf16_t *q, bf16_t *kc, bf16_t *vc, const float *x,
+	const float *normw, const bf16_t *W, const float *bias, const int *pos, const long long *slot, const float2 *tab,
+	const double *inv_freq, int ntab, int n, int in, int vt, float eps, int nheads, int nkv, int interleaved) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.q = q, a.kc = kc, a.vc = vc, a.bias = bias, a.pos = pos, a.slot = slot;
+	a.tab = tab, a.inv_freq = inv_freq, a.ntab = ntab, a.n = n, a.in = in, a.vt = vt, a.eps = eps;
+	a.nheads = nheads, a.nkv = nkv, a.interleaved = interleaved;
+	gemv2<G2_ROPE, true>(a, (nheads + nkv) * (HEAD_DIM / 2) + nkv * HEAD_DIM / 2);
+}
+// gemv2_silu: the MLP's rmsnorm, gate/up GEMV and SiLU-multiply: h[t] (T,
+// [hidden]) from W = [gate; up] ([2*hidden][in]).
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_silu(bf16_t *h, const float *x, const float *normw,
+	const bf16_t *W, int n, int hidden, int in, int vt, float eps) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.h = h, a.n = n, a.out = hidden, a.in = in, a.vt = vt, a.eps = eps;
+	gemv2<G2_SILU, true>(a, hidden);
+}
+
+// gemm_sk_*: the decode GEMMs of 5..32 tokens (skinny: Y = X . W^T with X
+// [n][in] bf16 in global memory), streaming the weights once at HBM speed
+// through bf16 tensor cores (mma.sync m16n8k16, f32 accumulation). A block
+// of 8 warps owns 128 weight rows (16 per warp: the m16 tile) and a range of
+// k; each lane loads 16-byte runs of its two rows straight into A fragments
+// (the k order inside a 32-wide group is permuted, the same way for A and
+// B, which a dot product allows), the next 128-k chunk in flight while the
+// current one computes; the X chunk ([32 tokens][128 k]) is staged in shared
+// memory by cp.async, double-buffered. Grid (row blocks, S k-splits): each
+// split's partial tile goes to part, and the last split of a row block (a
+// counter, reset after) adds them in split order, so results do not depend
+// on timing. Epilogues as gemv2's: SK_PLAIN Y (f32) = . + beta*Y; SK_ROPE
+// bias, RoPE, q and the KV write (128 % HEAD_DIM == 0: a head never spans
+// two row blocks); SK_SILU h = silu(g)*u (block rb: gate rows 64rb.. and up
+// rows hidden+64rb..; hidden % 64 == 0). in % 8 == 0, n <= 32.
+#define SK_ROWS 128
+#define SK_KC 128
+#define SK_NT 4
+#define SK_XS (SK_KC + 32)
+#define SK_CS (SK_NT * 8 + 1)
+#define SK_PLAIN 0
+#define SK_ROPE 1
+#define SK_SILU 2
+__device__ __forceinline__ void sk_mma(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+		     "{%0,%1,%2,%3};\n"
+		     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+		     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ float ld_cg(const float *p) {
+	float v;
+	asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+	return v;
+}
+struct sk_args {
+	const bf16_t *W, *X;
+	float *Y;
+	bf16_t *q, *kc, *vc, *h;
+	const float *bias;
+	const int *pos;
+	const long long *slot;
+	const float2 *tab;
+	const double *inv_freq;
+	float *part;
+	int *cnt;
+	int n, out, in, cps, ntab, nheads, nkv, interleaved;
+	float beta;
+};
+
+template <int MODE>
+__device__ __forceinline__ void gemm_sk(const sk_args &a) {
+	__shared__ __align__(16) bf16_t xs[2][SK_NT * 8][SK_XS];
+	__shared__ float cs[SK_ROWS][SK_CS];
+	__shared__ int last;
+	int rb = blockIdx.x, ks = blockIdx.y, S = gridDim.y;
+	int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gid = lane >> 2, tig = lane & 3;
+	int nt = (a.n + 7) >> 3;
+	int nchunk = (a.in + SK_KC - 1) / SK_KC;
+	int c0 = ks * a.cps, c1 = min(c0 + a.cps, nchunk);
+	int wr = MODE == SK_SILU ? (warp < 4 ? rb * 64 + 16 * warp : a.out + rb * 64 + 16 * (warp - 4)) : rb * SK_ROWS + 16 * warp;
+	int rows = MODE == SK_SILU ? 2 * a.out : a.out;
+	bool va = wr + gid < rows, vb = wr + gid + 8 < rows;
+	const bf16_t *wa = a.W + (long long)(va ? wr + gid : 0) * a.in;
+	const bf16_t *wb = a.W + (long long)(vb ? wr + gid + 8 : 0) * a.in;
+	float acc[SK_NT][4];
+#pragma unroll
+	for (int t = 0; t < SK_NT; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+	// stage: chunk c of X into xs[st] (tokens past n and k past in: zeros).
+	auto stage = [&](int c, int st) {
+		int k0 = c * SK_KC;
+		for (int i = tid; i < nt * 8 * (SK_KC / 8); i += blockDim.x) {
+			int tok = i / (SK_KC / 8), piece = i % (SK_KC / 8), k = k0 + piece * 8;
+			bool ok = tok < a.n && k < a.in;
+			const bf16_t *src = a.X + (ok ? (long long)tok * a.in + k : 0);
+			asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(&xs[st][tok][piece * 8])),
+				"l"(src), "r"(ok ? 16 : 0));
+		}
+		asm volatile("cp.async.commit_group;\n" ::);
+	};
+	auto loadw = [&](int c, uint4 *w) {
+		int k0 = c * SK_KC;
+#pragma unroll
+		for (int j = 0; j < 4; j++) {
+			int k = k0 + 32 * j + 8 * tig;
+			uint4 z;
+			z.x = z.y = z.z = z.w = 0u;
+			w[2 * j] = va && k < a.in ? ldg_stream(wa + k) : z;
+			w[2 * j + 1] = vb && k < a.in ? ldg_stream(wb + k) : z;
+		}
+	};
+	// compute: A = rows (gid, gid+8) x 16 k, B = X^T; per 32-k group j the
+	// lane's 16-byte runs hold k pairs (0,1) (2,3) (4,5) (6,7) of its 8:
+	// mma 0 takes pairs 0 and 1 as its k pairs tig and tig+4, mma 1 pairs 2, 3.
+	auto compute = [&](int st, const uint4 *w) {
+#pragma unroll
+		for (int j = 0; j < 4; j++) {
+			uint4 p = w[2 * j], q = w[2 * j + 1];
+#pragma unroll
+			for (int t = 0; t < SK_NT; t++) {
+				if (t < nt) {
+					uint4 x = *(const uint4 *)&xs[st][8 * t + gid][32 * j + 8 * tig];
+					sk_mma(acc[t], p.x, q.x, p.y, q.y, x.x, x.y);
+					sk_mma(acc[t], p.z, q.z, p.w, q.w, x.z, x.w);
+				}
+			}
+		}
+	};
+	uint4 w0[8], w1[8];
+	pdl_trigger();
+	if (c0 < c1) loadw(c0, w0); // weights: nothing ahead writes them
+	pdl_wait();
+	if (c0 < c1) stage(c0, 0);
+	for (int c = c0; c < c1; c += 2) {
+		bool has1 = c + 1 < c1;
+		if (has1) {
+			stage(c + 1, 1);
+			loadw(c + 1, w1);
+			asm volatile("cp.async.wait_group 1;\n" ::);
+		} else {
+			asm volatile("cp.async.wait_group 0;\n" ::);
+		}
+		__syncthreads();
+		compute(0, w0);
+		__syncthreads();
+		if (!has1) break;
+		bool has2 = c + 2 < c1;
+		if (has2) {
+			stage(c + 2, 0);
+			loadw(c + 2, w0);
+			asm volatile("cp.async.wait_group 1;\n" ::);
+		} else {
+			asm volatile("cp.async.wait_group 0;\n" ::);
+		}
+		__syncthreads();
+		compute(1, w1);
+		__syncthreads();
+	}
+	int rl = warp * 16 + gid;
+#pragma unroll
+	for (int t = 0; t < SK_NT; t++) {
+		if (t < nt) {
+			cs[rl][8 * t + 2 * tig] = acc[t][0];
+			cs[rl][8 * t + 2 * tig + 1] = acc[t][1];
+			cs[rl + 8][8 * t + 2 * tig] = acc[t][2];
+			cs[rl + 8][8 * t + 2 * tig + 1] = acc[t][3];
+		}
+	}
+	__syncthreads();
+	if (S > 1) {
+		float *P = a.part + ((long long)rb * S + ks) * SK_ROWS * 32;
+		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) P[(i / a.n) * 32 + i % a.n] = cs[i / a.n][i % a.n];
+		__threadfence();
+		__syncthreads();
+		if (tid == 0) last = atomicAdd(&a.cnt[rb], 1) == S - 1;
+		__syncthreads();
+		if (!last) return;
+		__threadfence();
+		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) {
+			int r = i / a.n, t = i % a.n;
+			float v = 0.f;
+			for (int s2 = 0; s2 < S; s2++) v += ld_cg(a.part + ((long long)rb * S + s2) * SK_ROWS * 32 + r * 32 + t);
+			cs[r][t] = v;
+		}
+		if (tid == 0) a.cnt[rb] = 0;
+		__syncthreads();
+	}
+	if (MODE == SK_PLAIN) {
+		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) {
+			int r = i % SK_ROWS, t = i / SK_ROWS, row = rb * SK_ROWS + r;
+			if (row < a.out) {
+				long long idx = (long long)t * a.out + row;
+				float v = cs[r][t];
+				if (a.beta != 0.f) v = v + a.beta * a.Y[idx];
+				a.Y[idx] = v;
+			}
+		}
+	} else if (MODE == SK_SILU) {
+		for (int i = tid; i < 64 * a.n; i += blockDim.x) {
+			int ii = i % 64, t = i / 64;
+			float g = bf2f(f2bf(cs[ii][t])), up = bf2f(f2bf(cs[64 + ii][t]));
+			a.h[(long long)t * a.out + rb * 64 + ii] = f2bf(g * (1.0f / (1.0f + expf(-g))) * up);
+		}
+	} else {
+		const int half = HEAD_DIM / 2;
+		int QD = a.nheads * HEAD_DIM, KVD = a.nkv * HEAD_DIM, rot = (a.nheads + a.nkv) * HEAD_DIM;
+		for (int i = tid; i < 64 * a.n; i += blockDim.x) {
+			int pi = i % 64, t = i / 64;
+			int hl = pi / half, ii = pi % half;
+			int ra = hl * HEAD_DIM + (a.interleaved ? 2 * ii : ii), rbl = ra + (a.interleaved ? 1 : half);
+			int rowA = rb * SK_ROWS + ra, rowB = rb * SK_ROWS + rbl;
+			if (rowA >= a.out) continue;
+			float v0 = cs[ra][t], v1 = cs[rbl][t];
+			if (a.bias) {
+				v0 += a.bias[rowA];
+				v1 += a.bias[rowB];
+			}
+			long long s = a.slot[t];
+			if (rowA >= rot) {
+				if (s >= 0) {
+					st(a.vc, s + (rowA - QD - KVD), v0);
+					st(a.vc, s + (rowB - QD - KVD), v1);
+				}
+				continue;
+			}
+			int p = a.pos[t];
+			float c, sv;
+			if (p < a.ntab) {
+				float2 cv = a.tab[(long long)p * half + ii];
+				c = cv.x;
+				sv = cv.y;
+			} else {
+				double an = (double)p * a.inv_freq[ii];
+				c = (float)cos(an);
+				sv = (float)sin(an);
+			}
+			float r0 = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, sv));
+			float r1 = __fadd_rn(__fmul_rn(v0, sv), __fmul_rn(v1, c));
+			if (rowA < QD) {
+				st(a.q, (long long)t * QD + rowA, r0);
+				st(a.q, (long long)t * QD + rowB, r1);
+			} else if (s >= 0) {
+				st(a.kc, s + (rowA - QD), r0);
+				st(a.kc, s + (rowB - QD), r1);
+			}
+		}
+	}
+}
+
+// gemm_sk_plain: Y (f32, [n][out]) = X . W^T + beta*Y. Grid (ceil(out/128),
+// S), 256 threads; cps = 128-k chunks per split.
+extern "C" __global__ void __launch_bounds__(256) gemm_sk_plain(float *Y, const bf16_t *X, const bf16_t *W, int n,
+	int out, int in, float beta, int cps, float *part, int *cnt) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.cps = cps, a.part = part, a.cnt = cnt;
+	gemm_sk<SK_PLAIN>(a);
+}
+// gemm_sk_silu: h (T, [n][hidden]) = silu(X . Wg^T) * (X . Wu^T), W = [gate;
+// up]. Grid (hidden/64, S).
+extern "C" __global__ void __launch_bounds__(256) gemm_sk_silu(bf16_t *h, const bf16_t *X, const bf16_t *W, int n,
+	int hidden, int in, int cps, float *part, int *cnt) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.h = h, a.n = n, a.out = hidden, a.in = in, a.cps = cps, a.part = part, a.cnt = cnt;
+	gemm_sk<SK_SILU>(a);
+}
+#if SK_ROWS % HEAD_DIM == 0
+// gemm_sk_qkv: X . Wqkv^T, then rope_kv's work (its arguments). Grid
+// (ceil((QD+2KVD)/128), S).
+extern "C" __global__ void __launch_bounds__(256) gemm_sk_qkv(bf16_t *q, bf16_t *kc, bf16_t *vc, const bf16_t *X,
+	const bf16_t *W, const float *bias, const int *pos, const long long *slot, const float2 *tab, const double *inv_freq,
+	int ntab, int n, int in, int nheads, int nkv, int interleaved, int cps, float *part, int *cnt) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.q = q, a.kc = kc, a.vc = vc, a.bias = bias, a.pos = pos, a.slot = slot, a.tab = tab;
+	a.inv_freq = inv_freq, a.ntab = ntab, a.n = n, a.out = (nheads + 2 * nkv) * HEAD_DIM, a.in = in, a.nheads = nheads;
+	a.nkv = nkv, a.interleaved = interleaved, a.cps = cps, a.part = part, a.cnt = cnt;
+	gemm_sk<SK_ROPE>(a);
+}
+#endif
 #endif // USE_BF16
 
 #if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)
@@ -911,6 +1455,188 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode(float *part_o, flo
 		}
 	}
 }
+#endif
+
+#if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)
+// attn_decode2: attn_decode's split-K decode attention in one pass over the
+// split's keys (same arguments, but scale_log2 = log2(e)/sqrt(HEAD_DIM) in
+// place of div; same partial layout and fixed split). D2_L lanes read one
+// key's 16-byte chunks; each of the key slots of the block (a group of D2_L
+// lanes) streams keys slot, slot + slots, ... with an online softmax,
+// loading D2_U keys' K and V rows at once (2*D2_U 16-byte loads in flight
+// per lane); the GQA_GROUP query heads share every load. The slots' states
+// merge in shared memory in slot order, so the result depends only on the
+// sequence. part_ml holds m in natural-log units, as attn_combine reads.
+// With out != 0 the last split block of a (query, kv head) to finish (a
+// counter in cnt[z*nkv + g], reset after) merges the splits into out as
+// attn_combine would, with the same arithmetic: no combine launch.
+// attn_decode2: 4 warps; attn_decode2_w8: 8 (twice the loads in flight per
+// block, for grids smaller than the GPU; GQA_GROUP <= 4).
+#define D2_L (HEAD_DIM / 8)
+#define D2_KPW (32 / D2_L)
+#define D2_U 4
+template <int WARPS>
+__device__ __forceinline__ void attn_decode2_body(float *part_o, float *part_ml, const T *q, const T *kc, const T *vc,
+	const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size, int nsplit, int nheads, int nkv,
+	int qi0, float scale_log2, T *out, int *cnt) {
+	const int D2_SLOTS = WARPS * D2_KPW;
+	pdl_trigger();
+	__shared__ __align__(16) float os[WARPS * D2_KPW][GQA_GROUP][HEAD_DIM];
+	__shared__ float ms[WARPS * D2_KPW][GQA_GROUP], ls[WARPS * D2_KPW][GQA_GROUP];
+	__shared__ int lastb;
+	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
+	int npos = pos[qi] + 1;
+	int k0 = split * ATT_SPLIT;
+	if (k0 >= npos) return;
+	int len = min(ATT_SPLIT, npos - k0);
+	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
+	int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	int sub = lane / D2_L, c = lane % D2_L, slot = warp * D2_KPW + sub;
+	// Powers of two (the usual page sizes) index pages by shift and mask.
+	int pshift = -1;
+	if ((page_size & (page_size - 1)) == 0)
+		for (pshift = 0; (1 << pshift) < page_size; pshift++) {
+		}
+	const int *pt = pages + ptoff[qi];
+	const T *qb = q + (long long)qrow[qi] * QD + (long long)g * GQA_GROUP * HEAD_DIM + c * 8;
+	float qv[GQA_GROUP][8];
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) {
+		load8(qb + h * HEAD_DIM, qv[h]);
+#pragma unroll
+		for (int e = 0; e < 8; e++) qv[h][e] *= scale_log2;
+	}
+	const long long goff = (long long)g * HEAD_DIM + c * 8;
+	float m[GQA_GROUP], l[GQA_GROUP], o[GQA_GROUP][8];
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) {
+		m[h] = NEG_INF;
+		l[h] = 0.f;
+#pragma unroll
+		for (int e = 0; e < 8; e++) o[h][e] = 0.f;
+	}
+	for (int jb = 0; jb < len; jb += D2_U * D2_SLOTS) {
+		// Keys past the split's end load its last key again (no branch, so
+		// every load is in flight at once) and are masked below.
+		int key[D2_U], pp[D2_U];
+#pragma unroll
+		for (int u = 0; u < D2_U; u++) {
+			key[u] = k0 + min(jb + u * D2_SLOTS + slot, len - 1);
+			pp[u] = pt[pshift >= 0 ? key[u] >> pshift : key[u] / page_size];
+		}
+		uint4 kr[D2_U], vr[D2_U];
+#pragma unroll
+		for (int u = 0; u < D2_U; u++) {
+			int in = pshift >= 0 ? key[u] & (page_size - 1) : key[u] % page_size;
+			long long off = ((long long)pp[u] * page_size + in) * KVD + goff;
+			kr[u] = *(const uint4 *)(kc + off);
+			vr[u] = *(const uint4 *)(vc + off);
+		}
+		float s[D2_U][GQA_GROUP];
+#pragma unroll
+		for (int u = 0; u < D2_U; u++) {
+			float kf[8];
+			unpack8(kr[u], kf);
+			bool ok = jb + u * D2_SLOTS + slot < len;
+#pragma unroll
+			for (int h = 0; h < GQA_GROUP; h++) {
+				float a = 0.f;
+#pragma unroll
+				for (int e = 0; e < 8; e++) a = fmaf(qv[h][e], kf[e], a);
+#pragma unroll
+				for (int x = D2_L / 2; x > 0; x >>= 1) a += __shfl_xor_sync(0xffffffffu, a, x);
+				s[u][h] = ok ? a : NEG_INF;
+			}
+		}
+#pragma unroll
+		for (int h = 0; h < GQA_GROUP; h++) {
+			float mx = m[h];
+#pragma unroll
+			for (int u = 0; u < D2_U; u++) mx = fmaxf(mx, s[u][h]);
+			if (mx == NEG_INF) continue; // no key of this slot yet
+			float sc = exp2f(m[h] - mx);
+			l[h] *= sc;
+#pragma unroll
+			for (int e = 0; e < 8; e++) o[h][e] *= sc;
+#pragma unroll
+			for (int u = 0; u < D2_U; u++) {
+				float p = exp2f(s[u][h] - mx), vf[8];
+				unpack8(vr[u], vf);
+				l[h] += p;
+#pragma unroll
+				for (int e = 0; e < 8; e++) o[h][e] = fmaf(p, vf[e], o[h][e]);
+			}
+			m[h] = mx;
+		}
+	}
+#pragma unroll
+	for (int h = 0; h < GQA_GROUP; h++) {
+		float4 lo, hi;
+		lo.x = o[h][0], lo.y = o[h][1], lo.z = o[h][2], lo.w = o[h][3];
+		hi.x = o[h][4], hi.y = o[h][5], hi.z = o[h][6], hi.w = o[h][7];
+		float4 *dst = (float4 *)&os[slot][h][c * 8];
+		dst[0] = lo;
+		dst[1] = hi;
+		if (c == 0) {
+			ms[slot][h] = m[h];
+			ls[slot][h] = l[h];
+		}
+	}
+	__syncthreads();
+	for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += blockDim.x) {
+		int h = i / HEAD_DIM, d = i % HEAD_DIM;
+		float M = NEG_INF;
+#pragma unroll
+		for (int s2 = 0; s2 < D2_SLOTS; s2++) M = fmaxf(M, ms[s2][h]);
+		float a = 0.f, L = 0.f;
+#pragma unroll
+		for (int s2 = 0; s2 < D2_SLOTS; s2++) {
+			float f = exp2f(ms[s2][h] - M); // 0 for a slot that saw no key
+			a = fmaf(os[s2][h][d], f, a);
+			L = fmaf(ls[s2][h], f, L);
+		}
+		long long base = ((long long)z * nheads + g * GQA_GROUP + h) * nsplit + split;
+		part_o[base * HEAD_DIM + d] = a;
+		if (d == 0) {
+			part_ml[base * 2] = M * 0.69314718055994531f;
+			part_ml[base * 2 + 1] = L;
+		}
+	}
+	if (!out) return;
+	int ns = (pos[qi] + ATT_SPLIT) / ATT_SPLIT;
+	__threadfence();
+	__syncthreads();
+	if (threadIdx.x == 0) lastb = atomicAdd(&cnt[z * nkv + g], 1) == ns - 1;
+	__syncthreads();
+	if (!lastb) return;
+	__threadfence();
+	for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += blockDim.x) {
+		int hh = g * GQA_GROUP + i / HEAD_DIM, d = i % HEAD_DIM;
+		long long base = ((long long)z * nheads + hh) * nsplit;
+		float M = NEG_INF;
+		for (int s2 = 0; s2 < ns; s2++) M = fmaxf(M, ld_cg(part_ml + (base + s2) * 2));
+		float L = 0.f;
+		for (int s2 = 0; s2 < ns; s2++) L += ld_cg(part_ml + (base + s2) * 2 + 1) * expf(ld_cg(part_ml + (base + s2) * 2) - M);
+		float a = 0.f;
+		for (int s2 = 0; s2 < ns; s2++) a += ld_cg(part_o + (base + s2) * HEAD_DIM + d) * expf(ld_cg(part_ml + (base + s2) * 2) - M);
+		st(out, (long long)qrow[qi] * nheads * HEAD_DIM + (long long)hh * HEAD_DIM + d, a / L);
+	}
+	if (threadIdx.x == 0) cnt[z * nkv + g] = 0;
+}
+extern "C" __global__ void __launch_bounds__(128) attn_decode2(float *part_o, float *part_ml, const T *q, const T *kc,
+	const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size, int nsplit, int nheads,
+	int nkv, int qi0, float scale_log2, T *out, int *cnt) {
+	attn_decode2_body<4>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0,
+		scale_log2, out, cnt);
+}
+#if GQA_GROUP <= 4 // shared memory: 8 KiB per warp and query head
+extern "C" __global__ void __launch_bounds__(256) attn_decode2_w8(float *part_o, float *part_ml, const T *q,
+	const T *kc, const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size,
+	int nsplit, int nheads, int nkv, int qi0, float scale_log2, T *out, int *cnt) {
+	attn_decode2_body<8>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0,
+		scale_log2, out, cnt);
+}
+#endif
 #endif
 
 #if USE_BF16 && (HEAD_DIM % 32 == 0) && (HEAD_DIM <= 128)

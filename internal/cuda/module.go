@@ -142,6 +142,29 @@ func (s *Stream) Launch(f *Function, grid, block Dim3, sharedMem uint32, args ..
 	return s.LaunchArgs(f, grid, block, sharedMem, &a)
 }
 
+// LaunchPDL is Launch with programmatic dependent launch allowed: f may
+// start before the kernel ahead of it on s has finished (once every block
+// of that kernel has run griddepcontrol.launch_dependents or exited), so
+// every block of f must run griddepcontrol.wait before it reads or writes
+// memory the kernels ahead of it use. Under stream capture the dependency
+// becomes a programmatic graph edge. Needs cuLaunchKernelEx (CUDA 12+).
+func (s *Stream) LaunchPDL(f *Function, grid, block Dim3, sharedMem uint32, args ...any) error {
+	var a Args
+	for i, v := range args {
+		if err := a.Add(v); err != nil {
+			return fmt.Errorf("%s arg %d: %w", f.Name, i, err)
+		}
+	}
+	if a.Len() > 64 {
+		return fmt.Errorf("cuda: %s: %d kernel arguments, at most 64", f.Name, a.Len())
+	}
+	res := cuLaunchKernelPDL(s.ctx.h, f.h, grid, block, sharedMem, s.h, a.buf, a.off)
+	if res != Success {
+		return fmt.Errorf("cuda: launch %s (programmatic dependent): %w", f.Name, &Error{Op: "cuLaunchKernelEx", Code: res})
+	}
+	return nil
+}
+
 // LaunchArgs enqueues f on s with packed arguments.
 func (s *Stream) LaunchArgs(f *Function, grid, block Dim3, sharedMem uint32, a *Args) error {
 	if a.Len() > 64 {

@@ -355,6 +355,20 @@ func cuLaunchKernel(c, f unsafe.Pointer, grid, block Dim3, shmem uint32, s unsaf
 		C.uint(shmem), C.CUstream(s), ap, op, C.int(len(offsets))))
 }
 
+func cuLaunchKernelPDL(c, f unsafe.Pointer, grid, block Dim3, shmem uint32, s unsafe.Pointer, args []byte, offsets []uint32) Result {
+	var ap *C.uchar
+	var op *C.uint
+	if len(args) > 0 {
+		ap = (*C.uchar)(unsafe.Pointer(&args[0]))
+	}
+	if len(offsets) > 0 {
+		op = (*C.uint)(unsafe.Pointer(&offsets[0]))
+	}
+	return r(C.mc_cuLaunchKernelPDL(C.CUcontext(c), C.CUfunction(f),
+		C.uint(grid.X), C.uint(grid.Y), C.uint(grid.Z), C.uint(block.X), C.uint(block.Y), C.uint(block.Z),
+		C.uint(shmem), C.CUstream(s), ap, op, C.int(len(offsets))))
+}
+
 func cuStreamBeginCapture(c, s unsafe.Pointer, mode int) Result {
 	return r(C.mc_cuStreamBeginCapture(C.CUcontext(c), C.CUstream(s), C.int(mode)))
 }

@@ -108,6 +108,9 @@ func cuFuncGetAttribute(unsafe.Pointer, unsafe.Pointer, int) (int, Result) { ret
 func cuLaunchKernel(unsafe.Pointer, unsafe.Pointer, Dim3, Dim3, uint32, unsafe.Pointer, []byte, []uint32) Result {
 	return noCgo
 }
+func cuLaunchKernelPDL(unsafe.Pointer, unsafe.Pointer, Dim3, Dim3, uint32, unsafe.Pointer, []byte, []uint32) Result {
+	return noCgo
+}
 func cuStreamBeginCapture(unsafe.Pointer, unsafe.Pointer, int) Result { return noCgo }
 func cuStreamEndCapture(unsafe.Pointer, unsafe.Pointer) (unsafe.Pointer, Result) {
 	return nil, noCgo

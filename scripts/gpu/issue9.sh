@@ -1,28 +1,40 @@
 #!/usr/bin/env bash
-# issue9.sh: one device call (nvidia-h200, ~4-8 minutes) for issue 9's first
-# seams: the explicit stream, pass plans, CUDA graphs for decode, sampling
-# on the GPU.
+# issue9.sh: issue 9 on one H200 (nvidia-h200): the explicit stream, pass
+# plans and CUDA graphs for decode, sampling on the GPU, and the decode
+# kernels (item 4). STAGES picks the stages (default all); the limits of all
+# of them add up to more than one device call allows, so run it twice:
+#   STAGES="cuda core fused sample rest"   correctness (~5 minutes at most)
+#   STAGES="kernels bench"                 timings (~4 minutes at most)
 # Build here first, then run there with the bundle carried:
 #   GPU_TEST_PKGS=./internal/compute/cuda scripts/gpu-bundle.sh
-#   run(command="bash scripts/gpu/issue9.sh", carry=["gpu-bundle"], timeout_s=540)
+#   run(command="STAGES='...' bash scripts/gpu/issue9.sh", carry=["gpu-bundle"], timeout_s=600)
 # Stages, each independent (a failing or hanging one does not stop the
 # others), each ending in a PASS or FAIL line:
 #   1 cuda   internal/cuda GPU tests (graph capture/replay/update among them)
 #   2 core   internal/compute/cuda: graph == eager (f32, bit for bit), capture
 #            fallback, step timing, stories260K exactness, batch invariance
-#   3 rest   the other internal/compute/cuda tests (vs CPU, flash prefill,
-#            kernel sets, small kernels, plan tests)
+#   3 fused  the decode kernels of item 4 against the old ones (TestFusedDecode:
+#            bit for bit where the arithmetic is the same, near elsewhere;
+#            programmatic launches; TestKernelsV2: every kernel loads)
 #   4 sample sampling on the GPU: the GPU sampler picks the CPU sampler's
 #            token for every mode, seeds, steps, batches 1..256, vocabularies
 #            32000 and 128256, logprobs and top ids equal (TestSampleMatchesCPU);
 #            Philox and E bit for bit (TestSamplePhiloxExp); ForwardSample
 #            through sampling graphs == Forward + CPU sampler, with a host
 #            step handed back (TestForwardSampleMatchesHost)
-#   5 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
+#   5 rest   the other internal/compute/cuda tests (vs CPU, flash prefill,
+#            kernel sets, small kernels, plan tests)
+#   6 kernels TestKernelBench8B: the decode kernels one by one at the 8B
+#            shape, old and new side by side (fused GEMVs at 1-4 tokens,
+#            gemm_sk vs cuBLAS at 1-32, attention at batch 1-256 x ctx
+#            1K-32K as a one-layer benchmark), outputs checked old vs new
+#   7 bench  TestBenchGraph8B: llama3-8b decode with and without graphs at
 #            batch 1/32/128 ctx 1K and batch 8 ctx 8K, the step gap, and the
-#            HBM read floor measured in the same run; sampling on the host vs
-#            on the GPU (step time and gap)
-# Logs in $OUT (8 files); the summary and the bench table print last.
+#            HBM read floor measured in the same run: new kernels, new with
+#            programmatic dependent launch, old kernels; sampling on the host
+#            vs on the GPU (step time and gap)
+# Logs in $OUT (10 files); the summary, the kernel tables and the bench table
+# print last.
 set -u
 O=${OUT:-/tmp/issue9}
 mkdir -p "$O"
@@ -81,21 +93,29 @@ stage() {
 }
 
 core='TestGraph|TestStepTimes|TestStories260K|TestBatchInvariance'
+fused='TestFusedDecode|TestKernelsV2'
 samp='TestSampleMatchesCPU|TestSamplePhiloxExp|TestForwardSampleMatchesHost'
-stage cuda 75 internal/cuda internal.cuda.test
-stage core 150 internal/compute/cuda internal.compute.cuda.test -test.run "$core"
-stage rest 110 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|$samp|TestSampleKernelsEmulated|TestBench|TestProfile|TestHFvsTorch"
-stage sample 60 internal/compute/cuda internal.compute.cuda.test -test.run "$samp"
-MOONCAKE_BENCH=1 BENCH_OUT=$O/bench.txt stage bench 150 internal/compute/cuda internal.compute.cuda.test -test.run 'TestBenchGraph8B$'
+want() { case " ${STAGES:-cuda core fused sample rest kernels bench} " in *" $1 "*) return 0 ;; esac; return 1; }
+want cuda && stage cuda 50 internal/cuda internal.cuda.test
+want core && stage core 130 internal/compute/cuda internal.compute.cuda.test -test.run "$core"
+want fused && stage fused 90 internal/compute/cuda internal.compute.cuda.test -test.run "$fused"
+want sample && stage sample 60 internal/compute/cuda internal.compute.cuda.test -test.run "$samp"
+want rest && stage rest 90 internal/compute/cuda internal.compute.cuda.test -test.skip "$core|$fused|$samp|TestSampleKernelsEmulated|TestBench|TestKernelBench|TestProfile|TestHFvsTorch"
+want kernels && MOONCAKE_BENCH=1 BENCH_OUT=$O/kbench.txt stage kernels 80 internal/compute/cuda internal.compute.cuda.test -test.run 'TestKernelBench8B$'
+want bench && MOONCAKE_BENCH=1 BENCH_OUT=$O/bench.txt stage bench 250 internal/compute/cuda internal.compute.cuda.test -test.run 'TestBenchGraph8B$'
 
 echo
 echo "=== key lines"
-grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture|device sampling|sampling buffers' \
-	"$O"/core.log "$O"/cuda.log "$O"/sample.log 2>/dev/null | cut -c1-220 | head -40
+grep -hE 'graph vs|graphs: |long run|step times|float32: max abs|float32-invariant: max abs|capture failed|CUDA graph|topology change|broken capture|fused|new kernels vs|kernel .*: [0-9]+ registers|device sampling|sampling buffers' \
+	"$O"/core.log "$O"/cuda.log "$O"/fused.log "$O"/sample.log 2>/dev/null | cut -c1-220 | head -60
 grep -hE 'loaded in|HBM read' "$O/bench.log" 2>/dev/null | cut -c1-220
+echo
+echo "=== decode kernels, llama3-8b shape (kbench.txt; register counts in the file)"
+grep -vE '^kernel ' "$O/kbench.txt" 2>/dev/null || echo "no kernel tables (see kernels.log)"
 echo
 echo "=== summary"
 cat "$sum"
+grep -h 'FAIL ' "$O/kbench.txt" 2>/dev/null | head -10
 echo
 echo "=== decode step, llama3-8b shape (bench.txt)"
 cat "$O/bench.txt" 2>/dev/null || echo "no bench table (see bench.log)"

@@ -99,7 +99,7 @@ func TestBench8B(t *testing.T) {
 	}{
 		{"v2", tuning{}},
 		{"v2-flash4warps", tuning{flashWarps: 4}},
-		{"v2-cublas-decode", tuning{gemvMax: -1}},
+		{"v2-cublas-decode", tuning{gemvMax: -1, skinnyMax: -1}},
 		{"v1", tuning{noV2: true, split: 256}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
@@ -137,9 +137,10 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 	if b.fn.v2Err != nil {
 		t.Logf("second-generation kernels not used: %v", b.fn.v2Err)
 	}
-	t.Logf("kernels: flash2 %v (%d warps), decode %v, gemv<=%d %v", b.fn.attnFlash2 != nil, b.fn.flash2Warps,
-		b.fn.attnDecode != nil, b.fn.gemvMax, b.fn.gemvF32 != nil)
-	for _, f := range []*cu.Function{b.fn.attnFlash, b.fn.attnFlash2, b.fn.attnSplit, b.fn.attnDecode, b.fn.gemvF32, b.fn.ropeKV, b.fn.gemmF32} {
+	t.Logf("kernels: flash2 %v (%d warps), decode2 %v, decode %v, gemv<=%d %v, fused %v", b.fn.attnFlash2 != nil, b.fn.flash2Warps,
+		b.fn.attnDecode2 != nil, b.fn.attnDecode != nil, b.fn.gemvMax, b.fn.gemvF32 != nil, b.fn.g2QKV != nil)
+	for _, f := range []*cu.Function{b.fn.attnFlash, b.fn.attnFlash2, b.fn.attnSplit, b.fn.attnDecode, b.fn.attnDecode2,
+		b.fn.gemvF32, b.fn.g2QKV, b.fn.g2SiLU, b.fn.ropeKV, b.fn.gemmF32} {
 		if f == nil {
 			continue
 		}
@@ -214,12 +215,15 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
 // + KV read once at the HBM read bandwidth measured in the same run), with
 // the GPU time per step and the GPU idle gap between consecutive steps
 // (events on the stream). Step times are host wall times of Forward, the
-// logits copied to the host or not. The sampling columns: temperature 0.7,
-// top_k 50, top_p 0.9 sampled on the host (Forward, then the Go sampler
-// over the rows one after the other, as the engine does) or on the GPU
-// (ForwardSample, replaying sampling graphs), and greedy on the GPU, with
-// the gap between steps. Runs only with MOONCAKE_BENCH=1; BENCH_OUT=file
-// receives the table.
+// logits copied to the host or not. Kernel sets, one backend each: the new
+// (fused decode GEMVs to 4 tokens, gemm_sk to 32, attn_decode2), the same
+// with programmatic dependent launch, and the old (separate rmsnorm, gemv,
+// rope_kv, silu_mul; cuBLAS; attn_decode). The sampling columns (new kernels
+// only): temperature 0.7, top_k 50, top_p 0.9 sampled on the host (Forward,
+// then the Go sampler over the rows one after the other, as the engine does)
+// or on the GPU (ForwardSample, replaying sampling graphs), and greedy on the
+// GPU, with the gap between steps. Runs only with MOONCAKE_BENCH=1;
+// BENCH_OUT=file receives the table.
 func TestBenchGraph8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
 		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
@@ -228,18 +232,43 @@ func TestBenchGraph8B(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	lines := []string{"llama3-8b bf16, random weights and KV; floor = weights + KV read once at the HBM read bandwidth of the same backend",
+		"| kernels | batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy | host sampling ms (gap us) | GPU sampling ms (x floor, gap us) | GPU greedy ms (gap us) |",
+		"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
+	for _, v := range []struct {
+		name string
+		tu   tuning
+	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"old", tuning{noFused: true, decodeV1: true, skinnyMax: -1}}} {
+		t.Run(v.name, func(t *testing.T) { lines = append(lines, benchGraph(t, cfg, v.name, v.tu, v.name == "new")...) })
+	}
+	for _, l := range lines {
+		t.Log(l)
+	}
+	if d := os.Getenv("BENCH_OUT"); d != "" {
+		if err := os.WriteFile(d, []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSampling bool) []string {
 	const ps = 64
 	runs := []struct{ bs, ctx int }{{1, 1024}, {32, 1024}, {128, 1024}, {8, 8192}}
 	per1K, per8K := ceilDiv(1024+1, ps), ceilDiv(8192+1, ps)
 	pages := 128*per1K + 8*per8K
 	t0 := time.Now()
 	b := newOrSkip(t, &model.Model{Config: cfg, Random: true}, Options{PageSize: ps, Pages: pages, RandomWeights: true,
-		Seed: 1, TimeSteps: true, CUDAGraphMaxBS: 128})
+		Seed: 1, TimeSteps: true, CUDAGraphMaxBS: 128, tune: tu})
+	defer b.Close()
 	if err := b.fill(b.fn.fillT, b.kvBase, uint64(b.layout.TotalBytes())/uint64(b.eb), 7, 1, 0); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v",
-		time.Since(t0), float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, float64(b.graphs.sizes.total())/(1<<20), b.graphs.buckets)
+	t.Logf("%s: loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v; fused %v, skinny %v, decode2 %v, decode %v, pdl %v",
+		name, time.Since(t0), float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, float64(b.graphs.sizes.total())/(1<<20),
+		b.graphs.buckets, b.fn.g2QKV != nil, b.fn.skPlain != nil, b.fn.attnDecode2 != nil, b.fn.attnDecode != nil, b.fn.pdl)
+	if tu.pdl && !b.fn.pdl {
+		t.Errorf("%s: programmatic dependent launch not available", name)
+	}
 	bw, err := b.readBandwidth(4<<30, 10)
 	if err != nil {
 		t.Fatal(err)
@@ -252,9 +281,7 @@ func TestBenchGraph8B(t *testing.T) {
 		out[i] = make([]float32, V)
 	}
 	kvTok := float64(cfg.Layers * 2 * cfg.KVHeads * cfg.HeadDim * 2)
-	lines := []string{fmt.Sprintf("HBM read bandwidth %.0f GB/s (4 GiB, median of 10); llama3-8b bf16, random weights and KV", bw/1e9),
-		"| batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy | host sampling ms (gap us) | GPU sampling ms (x floor, gap us) | GPU greedy ms (gap us) |",
-		"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
+	lines := []string{fmt.Sprintf("%s: HBM read bandwidth %.0f GB/s (4 GiB, median of 10)", name, bw/1e9)}
 	for _, c := range runs {
 		seqs := make([]compute.Seq, c.bs)
 		for i := range seqs {
@@ -291,28 +318,27 @@ func TestBenchGraph8B(t *testing.T) {
 			t.Fatal(err)
 		}
 		st2 := b.StepTimes()
-		hostS, stH, devS, stS, devG, stG := benchSampling(t, b, seqs, out[:c.bs])
 		floor := (float64(b.WeightBytes()) + float64(c.bs)*float64(c.ctx+1)*kvTok) / bw
 		x := func(d time.Duration) float64 { return d.Seconds() / floor }
 		us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-		l := fmt.Sprintf("| %d | %d | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | %.2f (%.2fx) | %.2f | %.1f / %.1f | %.1f / %.1f | %.2f (%.1f) | %.2f (%.2fx, %.1f) | %.2f (%.1f) |",
-			c.bs, c.ctx, floor*1e3, ms(eager), x(eager), ms(graph), x(graph), ms(dev), x(dev),
-			ms(st.Busy)/float64(max(st.Passes, 1)), us(st.GapMean()), us(st.GapMax), us(st2.GapMean()), us(st2.GapMax),
-			ms(hostS), us(stH.GapMean()), ms(devS), x(devS), us(stS.GapMean()), ms(devG), us(stG.GapMean()))
+		samp := " - | - | - |"
+		if withSampling {
+			hostS, stH, devS, stS, devG, stG := benchSampling(t, b, seqs, out[:c.bs])
+			samp = fmt.Sprintf(" %.2f (%.1f) | %.2f (%.2fx, %.1f) | %.2f (%.1f) |",
+				ms(hostS), us(stH.GapMean()), ms(devS), x(devS), us(stS.GapMean()), ms(devG), us(stG.GapMean()))
+		}
+		l := fmt.Sprintf("| %s | %d | %d | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | %.2f (%.2fx) | %.2f | %.1f / %.1f | %.1f / %.1f |",
+			name, c.bs, c.ctx, floor*1e3, ms(eager), x(eager), ms(graph), x(graph), ms(dev), x(dev),
+			ms(st.Busy)/float64(max(st.Passes, 1)), us(st.GapMean()), us(st.GapMax), us(st2.GapMean()), us(st2.GapMax)) + samp
 		lines = append(lines, l)
 		t.Log(l)
 	}
 	gs := b.GraphStats()
-	lines = append(lines, fmt.Sprintf("graphs: %+v", gs))
-	t.Log(lines[len(lines)-1])
-	if gs.Replays < 4*80 {
+	lines = append(lines, fmt.Sprintf("%s graphs: %+v", name, gs))
+	if gs.Replays < 4*40 {
 		t.Errorf("decode steps did not replay graphs: %+v", gs)
 	}
-	if d := os.Getenv("BENCH_OUT"); d != "" {
-		if err := os.WriteFile(d, []byte(strings.Join(lines, "\n")+"\n"), 0o644); err != nil {
-			t.Error(err)
-		}
-	}
+	return lines
 }
 
 // benchSampling times decode steps of seqs sampled on the host and on the

@@ -300,6 +300,17 @@ func (r *run) launch(f *cu.Function, grid, block cu.Dim3, shmem uint32, args ...
 	}
 }
 
+// launchDep launches a kernel that waits for the ones ahead of it itself
+// (pdl_wait: the gemv2 and gemm_sk sets), programmatically when the
+// backend allows it.
+func (r *run) launchDep(f *cu.Function, grid, block cu.Dim3, shmem uint32, args ...any) {
+	if r.err == nil && r.b.fn.pdl {
+		r.err = r.s.LaunchPDL(f, grid, block, shmem, args...)
+		return
+	}
+	r.launch(f, grid, block, shmem, args...)
+}
+
 // gemm computes y[n][out] = x[n][in] . w[out][in]^T + beta*y; y is f32 when
 // yF32, else T.
 func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int, beta float32) {
@@ -307,6 +318,19 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		return
 	}
 	b := r.b
+	if yF32 && b.skinny(n) && in%8 == 0 {
+		f := &b.fn
+		rb := ceilDiv(out, skRows)
+		s, cps := skSplit(f.skCap, rb, in)
+		r.launchDep(f.skPlain, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, y, x, w, int32(n), int32(out),
+			int32(in), beta, int32(cps), f.skPart, f.skCnt)
+		return
+	}
+	if yF32 && b.fused(n) && in%8 == 0 {
+		f := b.fn.g2Plain
+		r.launchDep(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), 0, y, x, w, int32(n), int32(out), int32(in), beta)
+		return
+	}
 	if !b.opts.BatchInvariant && n <= b.fn.gemvMax && b.fn.gemvF32 != nil && in%8 == 0 {
 		f := b.fn.gemvT
 		if yF32 {
@@ -337,6 +361,18 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		C: uint64(y), CType: yt, LDC: out, Compute: comp})
 }
 
+// fused reports whether a pass of n token rows runs the fused decode layer
+// (gemv2_*: rmsnorm, RoPE with the KV write and SiLU-multiply inside the
+// GEMVs).
+func (b *Backend) fused(n int) bool {
+	return b.fn.g2QKV != nil && !b.opts.BatchInvariant && n <= b.fn.gemvMax
+}
+
+// skinny reports whether the GEMMs of a pass of n token rows run gemm_sk_*.
+func (b *Backend) skinny(n int) bool {
+	return b.fn.skPlain != nil && !b.opts.BatchInvariant && n > b.fn.gemvMax && n <= b.fn.skMax
+}
+
 // partBudget bounds the split-K attention's partial results per launch of
 // an eager pass (graphPartBudget: of a captured one).
 const partBudget = 256 << 20
@@ -364,6 +400,9 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	div := float32(math.Sqrt(float64(hd)))
 	layerBytes := cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes()))
 	rmsT := rmsThreads(dim)
+	fused, sk := b.fused(n), b.skinny(n)
+	vt := rmsVT(dim)
+	xsmem := uint32(n * dim * 2) // gemv2's normalised x, n rows of T
 	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
 	siluY := siluBlocks(hid)
 	qchunk := p.qchunk
@@ -383,10 +422,25 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		w := &b.w.layers[li]
 		kc := b.kvBase + cu.DevicePtr(2*li)*layerBytes
 		vc := kc + layerBytes
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
-		r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
-		r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, d.q, kc, vc, d.qkv, w.bqkv,
-			meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), interleaved)
+		if fused {
+			f := b.fn.g2QKV
+			r.launchDep(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
+				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), vt, c.NormEps,
+				int32(c.Heads), int32(c.KVHeads), interleaved)
+		} else if sk && b.fn.skQKV != nil {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
+			f := &b.fn
+			rb := ceilDiv(qd+2*kvd, skRows)
+			s, cps := skSplit(f.skCap, rb, dim)
+			r.launchDep(f.skQKV, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.q, kc, vc, d.xb, w.wqkv,
+				w.bqkv, meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), int32(c.Heads),
+				int32(c.KVHeads), interleaved, int32(cps), f.skPart, f.skCnt)
+		} else {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
+			r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
+			r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, d.q, kc, vc, d.qkv, w.bqkv,
+				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), interleaved)
+		}
 		if hooked && r.err == nil {
 			if err := b.reportLayer(st, seqs, li); err != nil {
 				return fmt.Errorf("cuda backend: layer %d: %w", li, err)
@@ -404,26 +458,54 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		}
 		for q0 := 0; q0 < p.ng; q0 += qchunk {
 			cnt := uint32(min(qchunk, p.ng-q0))
-			af, at := b.fn.attnSplit, uint32(b.fn.attThreads)
-			if b.fn.attnDecode != nil {
-				af, at = b.fn.attnDecode, 128
+			grid := cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}
+			args := []any{d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
+				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0)}
+			f := &b.fn
+			switch {
+			case f.attnDecode2 != nil && f.attnCnt != 0 && int(cnt) <= f.attnCntQ:
+				// The last split block of each query merges: no combine.
+				r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, scaleLog2, d.att, f.attnCnt)...)
+				continue
+			case f.attnDecode2 != nil:
+				r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, scaleLog2, null, null)...)
+			case f.attnDecode != nil:
+				r.launch(f.attnDecode, grid, cu.D1(128), 0, append(args, div)...)
+			default:
+				r.launch(f.attnSplit, grid, cu.D1(uint32(f.attThreads)), 0, append(args, div)...)
 			}
-			r.launch(af, cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}, cu.D1(at), 0,
-				d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
-				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0), div)
-			r.launch(b.fn.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(b.fn.combineThreads)), 0,
+			r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
 				d.att, d.part, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
 		}
 		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
-		r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
-		r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
+		if fused {
+			f := b.fn.g2SiLU
+			r.launchDep(f, b.g2Grid(f, hid), cu.D1(g2Threads), xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
+				int32(dim), vt, c.NormEps)
+		} else if sk && b.fn.skSiLU != nil {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
+			f := &b.fn
+			s, cps := skSplit(f.skCap, hid/64, dim)
+			r.launchDep(f.skSiLU, cu.Dim3{X: uint32(hid / 64), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.h, d.xb, w.w13,
+				int32(n), int32(hid), int32(dim), int32(cps), f.skPart, f.skCnt)
+		} else {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
+			r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
+			r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
+		}
 		r.gemm(d.x, true, d.h, w.w2, n, dim, hid, 1)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: layer %d: %w", li, r.err)
 		}
 	}
-	if m > 0 {
+	if m > 0 && b.fused(m) {
+		f := b.fn.g2Norm
+		r.launchDep(f, b.g2Grid(f, (c.Vocab+1)/2), cu.D1(g2Threads), uint32(m*dim*2), d.logits, d.x, b.w.norm,
+			meta(p.lrows), b.w.lmHead, int32(m), int32(c.Vocab), int32(dim), vt, c.NormEps)
+		if r.err != nil {
+			return fmt.Errorf("cuda backend: logits: %w", r.err)
+		}
+	} else if m > 0 {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsT), 0, d.lx, d.x, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
 		r.gemm(d.logits, true, d.lx, b.w.lmHead, m, c.Vocab, dim, 0)
 		if r.err != nil {

@@ -30,8 +30,23 @@ type tuning struct {
 	gemvMax int
 	// flashWarps: 0 default, -1 the first flash kernel (attn_prefill).
 	flashWarps int
-	noDecode   bool // attn_split instead of attn_decode
-	noV2       bool // compile without the second-generation kernels
+	noDecode   bool // attn_split instead of attn_decode2 / attn_decode
+	decodeV1   bool // attn_decode instead of attn_decode2
+	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
+	// noFuseCombine: attn_decode2 leaves the merge of the splits to
+	// attn_combine.
+	noFuseCombine bool
+	// noFused: small batches run rmsnorm, gemv_*, rope_kv and silu_mul as
+	// separate kernels instead of the fused gemv2_* layer.
+	noFused bool
+	// skinnyMax: decode GEMMs of gemvMax+1 .. skinnyMax tokens run
+	// gemm_sk_* (0: 32, the most it takes; -1: cuBLAS).
+	skinnyMax int
+	// pdl launches the fused GEMVs and skinny GEMMs with programmatic
+	// dependent launch (each prefetches its weights while the kernel ahead
+	// of it finishes).
+	pdl  bool
+	noV2 bool // compile without the second-generation kernels
 }
 
 // v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that
@@ -51,6 +66,23 @@ type kernels struct {
 	flash2Warps, flash2Smem                int
 	gemvMax                                int
 	v2Err                                  error // why the MC_V2 build was not used
+	// attnDecode2 replaces attnDecode; the gemv2 set is the fused decode
+	// layer of at most gemvMax tokens (nil: separate kernels).
+	attnDecode2                    *cu.Function
+	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
+	g2Blocks                       map[*cu.Function]int // most blocks resident at once (the grid cap)
+	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
+	// blocks resident at once; skPart and skCnt: their split-K partial
+	// tiles and per-row-block counters (zero between launches).
+	skPlain, skQKV, skSiLU *cu.Function
+	skMax, skCap           int
+	skPart, skCnt          cu.DevicePtr
+	pdl                    bool // tuning pdl, and the driver takes such launches
+	// attnDecode2 runs d2Threads threads a block; with attnCnt (counters
+	// for attnCntQ queries of a launch) it merges the splits itself.
+	d2Threads int
+	attnCnt   cu.DevicePtr
+	attnCntQ  int
 }
 
 // Launch shapes of the small kernels.
@@ -199,8 +231,48 @@ func (b *Backend) loadKernels() error {
 		opt(&f.gemvT, "gemv_tout")
 		f.gemvMax = min(cmp.Or(tu.gemvMax, defaultGemvMax), 4)
 	}
-	if !tu.noDecode && 32%(hd/8) == 0 && 4*(group*f.split+4*(256/hd)*group*hd+2*group) <= 48<<10 {
-		opt(&f.attnDecode, "attn_decode")
+	if !tu.noDecode && 32%(hd/8) == 0 {
+		if !tu.decodeV1 && group <= 8 {
+			opt(&f.attnDecode2, "attn_decode2")
+			f.d2Threads = 128
+			if tu.decode2W8 {
+				if p, e := b.mod.Function("attn_decode2_w8"); e == nil {
+					f.attnDecode2, f.d2Threads = p, 256
+				}
+			}
+		}
+		if f.attnDecode2 != nil && !tu.noFuseCombine {
+			const q = 4096
+			p, err := b.alloc(uint64(q * b.cfg.KVHeads * 4))
+			if err != nil {
+				return fmt.Errorf("cuda backend: attention counters: %w", err)
+			}
+			if err := b.cx.MemsetD8(p, 0, uint64(q*b.cfg.KVHeads*4)); err != nil {
+				return err
+			}
+			f.attnCnt, f.attnCntQ = p, q
+		}
+		if f.attnDecode2 == nil && 4*(group*f.split+4*(256/hd)*group*hd+2*group) <= 48<<10 {
+			opt(&f.attnDecode, "attn_decode")
+		}
+	}
+	if !tu.noFused && f.gemvMax > 0 && b.cfg.Dim%8 == 0 {
+		b.loadFused()
+	}
+	if tu.skinnyMax >= 0 {
+		if err := b.loadSkinny(min(cmp.Or(tu.skinnyMax, skMaxN), skMaxN)); err != nil {
+			return err
+		}
+	}
+	if tu.pdl {
+		// read_bw over nothing: touches no memory.
+		err := b.stream.LaunchPDL(f.readBW, cu.D1(1), cu.D1(32), 0, cu.DevicePtr(0), int64(0), cu.DevicePtr(0))
+		if err == nil {
+			err = b.stream.Synchronize()
+		}
+		if f.pdl = err == nil; !f.pdl {
+			b.lg.Warn("programmatic dependent launch not available", zap.Error(err))
+		}
 	}
 	if fw > 0 && hd%32 == 0 && hd <= 128 {
 		opt(&f.attnFlash2, "attn_prefill2")
@@ -214,4 +286,156 @@ func (b *Backend) loadKernels() error {
 		}
 	}
 	return nil
+}
+
+// Fused decode layer launch shape: gemv2_* blocks of g2Threads threads, one
+// warp per unit of two weight rows.
+const g2Threads = 256
+
+// loadFused finds the gemv2 set, raises the dynamic shared memory of the
+// kernels that normalise x into it (gemvMax rows of Dim T values) and
+// records how many blocks of each fit on the GPU at once. Any failure leaves
+// the set nil (separate kernels).
+func (b *Backend) loadFused() {
+	f := &b.fn
+	sms, err := b.cx.MultiprocessorCount()
+	if err != nil || sms <= 0 {
+		b.lg.Warn("fused decode kernels off: no multiprocessor count", zap.Error(err))
+		return
+	}
+	smemPerSM, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerSM)
+	optin, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerBlockOptin)
+	smem := b.fusedSmem()
+	blocks := map[*cu.Function]int{}
+	var fns [4]*cu.Function
+	for i, name := range []string{"gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu"} {
+		fn, err := b.mod.Function(name)
+		if err != nil {
+			b.lg.Warn("fused decode kernels off", zap.Error(err))
+			return
+		}
+		dyn := 0
+		if i > 0 {
+			dyn = smem
+			if dyn > 48<<10 {
+				if dyn > optin {
+					b.lg.Warn("fused decode kernels off: x does not fit in shared memory", zap.Int("bytes", dyn), zap.Int("max", optin))
+					return
+				}
+				if err := fn.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, dyn); err != nil {
+					b.lg.Warn("fused decode kernels off: no room for their shared memory", zap.Error(err))
+					return
+				}
+			}
+		}
+		regs, _ := fn.Attribute(cu.FuncAttrNumRegs)
+		static, _ := fn.Attribute(cu.FuncAttrSharedSizeBytes)
+		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+dyn, smemPerSM)
+		fns[i] = fn
+	}
+	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
+	f.g2Blocks = blocks
+}
+
+// fusedSmem is the dynamic shared memory of the normalising gemv2 kernels.
+func (b *Backend) fusedSmem() int { return b.fn.gemvMax * b.cfg.Dim * 2 }
+
+// residentBlocks is how many blocks of threads threads, regs registers
+// each and smem bytes of shared memory fit on one multiprocessor (Hopper's
+// limits: 64K registers allocated per warp in units of 256, 2048 threads,
+// 1 KiB of shared memory reserved per block); at least 1. It only caps
+// grids: blocks beyond it wait for a free multiprocessor.
+func residentBlocks(threads, regs, smem, smemPerSM int) int {
+	warps := (threads + 31) / 32
+	perWarp := (regs*32 + 255) / 256 * 256
+	n := 2048 / threads
+	if perWarp > 0 {
+		n = min(n, 65536/(perWarp*warps))
+	}
+	if smemPerSM > 0 {
+		n = min(n, smemPerSM/(smem+1024))
+	}
+	return max(n, 1)
+}
+
+// g2Grid is the grid of a gemv2 kernel over units units of work: one warp
+// per unit, at most the blocks resident at once (the warps loop over units).
+func (b *Backend) g2Grid(f *cu.Function, units int) cu.Dim3 {
+	per := g2Threads / 32
+	return cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f]))))
+}
+
+// rmsVT is the thread count whose reduction order gemv2's rmsnorm follows:
+// rmsnorm's own (so fused outputs equal the separate kernels' bit for bit)
+// when it fits in a gemv2 block.
+func rmsVT(dim int) int32 { return int32(min(int(rmsThreads(dim)), g2Threads)) }
+
+// Skinny GEMM launch shape (gemm_sk_* in llama.cu): 256 threads own 128
+// weight rows (64 gate + 64 up rows for the SiLU form); k in chunks of 128.
+const (
+	skRows    = 128
+	skChunk   = 128
+	skMaxN    = 32 // 4 tensor-core n tiles of 8 tokens
+	skThreads = 256
+)
+
+// loadSkinny finds the gemm_sk set (none: cuBLAS stays) and allocates its
+// split-K workspace for the model's GEMM shapes.
+func (b *Backend) loadSkinny(maxN int) error {
+	f := &b.fn
+	c := &b.cfg
+	plain, err := b.mod.Function("gemm_sk_plain")
+	if err != nil || maxN <= f.gemvMax || c.Dim%8 != 0 {
+		return nil
+	}
+	sms, err := b.cx.MultiprocessorCount()
+	if err != nil || sms <= 0 {
+		return nil
+	}
+	smemPerSM, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerSM)
+	regs, _ := plain.Attribute(cu.FuncAttrNumRegs)
+	static, _ := plain.Attribute(cu.FuncAttrSharedSizeBytes)
+	f.skCap = sms * residentBlocks(skThreads, regs, static, smemPerSM)
+	if p, e := b.mod.Function("gemm_sk_qkv"); e == nil {
+		f.skQKV = p
+	}
+	if p, e := b.mod.Function("gemm_sk_silu"); e == nil && c.HiddenDim%64 == 0 {
+		f.skSiLU = p
+	}
+	qd, kvd, hid := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
+	var part uint64
+	maxRB := 64
+	for _, sh := range [][2]int{{ceilDiv(qd+2*kvd, skRows), c.Dim}, {ceilDiv(c.Dim, skRows), qd}, {hid / 64, c.Dim},
+		{ceilDiv(c.Dim, skRows), hid}, {ceilDiv(c.Vocab, skRows), c.Dim}} {
+		rb, in := sh[0], sh[1]
+		if rb == 0 || in%8 != 0 {
+			continue
+		}
+		if s, _ := skSplit(f.skCap, rb, in); s > 1 {
+			part = max(part, uint64(rb)*uint64(s)*skRows*32*4)
+		}
+		maxRB = max(maxRB, rb)
+	}
+	if f.skPart, err = b.alloc(part); err != nil {
+		return fmt.Errorf("cuda backend: skinny GEMM workspace: %w", err)
+	}
+	if f.skCnt, err = b.alloc(uint64(maxRB) * 4); err != nil {
+		return fmt.Errorf("cuda backend: skinny GEMM counters: %w", err)
+	}
+	if err := b.cx.MemsetD8(f.skCnt, 0, uint64(maxRB)*4); err != nil {
+		return err
+	}
+	f.skPlain, f.skMax = plain, maxN
+	return nil
+}
+
+// skSplit is the k split of a skinny GEMM of rowBlocks row blocks over in:
+// as many splits as fill the GPU's resident blocks in one wave (at least 1,
+// at most one per 128-k chunk), and the chunks per split (the last split
+// may have fewer).
+func skSplit(capBlocks, rowBlocks, in int) (splits, cps int) {
+	chunks := ceilDiv(in, skChunk)
+	s := min(max(1, capBlocks/max(rowBlocks, 1)), chunks)
+	cps = ceilDiv(chunks, s)
+	return ceilDiv(chunks, cps), cps
 }

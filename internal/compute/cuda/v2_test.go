@@ -25,10 +25,17 @@ func TestKernelsV2(t *testing.T) {
 	if b.fn.v2Err != nil {
 		t.Fatalf("MC_V2 build rejected: %v", b.fn.v2Err)
 	}
-	if b.fn.attnFlash2 == nil || b.fn.attnDecode == nil || b.fn.gemvF32 == nil {
-		t.Fatalf("missing kernels: flash2 %v decode %v gemv %v", b.fn.attnFlash2 != nil, b.fn.attnDecode != nil, b.fn.gemvF32 != nil)
+	f := &b.fn
+	if f.attnFlash2 == nil || f.attnDecode2 == nil || f.gemvF32 == nil || f.g2Plain == nil || f.g2Norm == nil ||
+		f.g2QKV == nil || f.g2SiLU == nil {
+		t.Fatalf("missing kernels: flash2 %v decode2 %v gemv %v fused %v", f.attnFlash2 != nil, f.attnDecode2 != nil,
+			f.gemvF32 != nil, f.g2QKV != nil)
 	}
-	for _, f := range []*cu.Function{b.fn.attnFlash2, b.fn.attnDecode, b.fn.gemvF32} {
+	old := newOrSkip(t, m, Options{PageSize: 16, Pages: 16, tune: tuning{decodeV1: true}})
+	if old.fn.attnDecode == nil {
+		t.Fatal("attn_decode (tuning decodeV1) not loaded")
+	}
+	for _, f := range []*cu.Function{f.attnFlash2, f.attnDecode2, old.fn.attnDecode, f.gemvF32, f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU} {
 		regs, _ := f.Attribute(cu.FuncAttrNumRegs)
 		local, _ := f.Attribute(cu.FuncAttrLocalSizeBytes)
 		t.Logf("kernel %s: %d registers, %d bytes local", f.Name, regs, local)

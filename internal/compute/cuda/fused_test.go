@@ -1,0 +1,141 @@
+package cuda
+
+import (
+	"testing"
+
+	"github.com/mooncake-go/mooncake-go/internal/model"
+)
+
+// TestFusedDecode checks the fused decode layer (gemv2_*: rmsnorm, RoPE with
+// the KV write and SiLU-multiply inside the GEMVs), the skinny GEMMs
+// (gemm_sk_*) and attn_decode2 against the separate kernels and cuBLAS, in
+// bfloat16, over prefill and decode steps at batch sizes 1 to 4 (the fused
+// path, graphs on: buckets 1, 2, 4, 4) and 6 and 13 (bucket 8 and 16: gemm_sk
+// or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
+// old kernels' logits bit for bit (these dims reduce rmsnorm in its own
+// order); all the new kernels together must stay near them (with the 4- and
+// 8-warp attention), and give the same bits with attn_combine instead of
+// attn_decode2's own merge and launched with programmatic dependent launch. Shapes: head dims 8 to 128,
+// interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
+// that the GEMV cannot read (172).
+func TestFusedDecode(t *testing.T) {
+	type shape struct {
+		name string
+		m    func(*testing.T) *model.Model
+	}
+	random := func(name string) func(*testing.T) *model.Model {
+		return func(t *testing.T) *model.Model {
+			m, err := model.NewRandom(name, 17)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return m
+		}
+	}
+	shapes := []shape{
+		{"headdim128", headDim128},
+		{"tiny", random("tiny")},
+		{"tiny-qwen2", random("tiny-qwen2")},
+		{"tiny-llama3", random("tiny-llama3")},
+		{"stories260K", func(t *testing.T) *model.Model { m, _ := stories260K(t); return m }},
+	}
+	for _, sh := range shapes {
+		t.Run(sh.name, func(t *testing.T) {
+			m := sh.m(t)
+			V := m.Config.Vocab
+			groups := []int{1, 2, 3, 4, 6, 13}
+			const per, steps = 12, 9 // pages of 16: 192 positions per seq
+			total := 0
+			for _, g := range groups {
+				total += g
+			}
+			o := Options{DType: "bfloat16", PageSize: 16, Pages: total * per}
+			mk := func(tu tuning) *Backend {
+				o := o
+				o.tune = tu
+				return newOrSkip(t, m, o)
+			}
+			old := mk(tuning{noFused: true, decodeV1: true, skinnyMax: -1})
+			fusedOld := mk(tuning{decodeV1: true, skinnyMax: -1})
+			nw := mk(tuning{})
+			sep := mk(tuning{noFuseCombine: true})
+			pdl := mk(tuning{pdl: true})
+			w8 := mk(tuning{decode2W8: true})
+			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
+				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
+			}
+			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil {
+				t.Fatal("the old-kernels backend loaded new kernels")
+			}
+			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil || nw.fn.attnCnt == 0 || sep.fn.attnCnt != 0 {
+				t.Fatalf("attn_decode2 %v (merging %v), gemm_sk %v: not loaded as asked", nw.fn.attnDecode2 != nil,
+					nw.fn.attnCnt != 0, nw.fn.skPlain != nil)
+			}
+			if !pdl.fn.pdl {
+				t.Logf("programmatic dependent launch not available: not compared")
+			}
+			hasW8 := w8.fn.d2Threads == 256
+			if m.Config.Heads/m.Config.KVHeads <= 4 && !hasW8 {
+				t.Errorf("attn_decode2_w8 not loaded")
+			}
+			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8}
+			r := newRand(uint64(len(sh.name)))
+			base := 0
+			for _, n := range groups {
+				prompts := make([][]int32, n)
+				for i := range prompts {
+					prompts[i] = randPrompt(r, 5+37*i%140, V)
+				}
+				res := lockstep(t, bs, prompts, base, per, steps)
+				base += n
+				exact := func(what string, a, b int) {
+					if d, _, am := compareSteps(res[a], res[b]); d != 0 || am != 0 {
+						t.Errorf("batch %d: %s: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, what, d, am)
+					}
+				}
+				exact("fused GEMVs vs separate kernels", 0, 1)
+				exact("attn_decode2 merging its splits vs attn_combine", 2, 3)
+				if pdl.fn.pdl {
+					exact("programmatic launches vs plain ones", 2, 4)
+				}
+				for _, k := range []int{2, 5} {
+					d, rel, am := compareSteps(res[0], res[k])
+					t.Logf("batch %d: new kernels (%d-thread attention) vs old: max abs diff %.3g, rel %.3g, %d greedy tokens differ",
+						n, bs[k].fn.d2Threads, d, rel, am)
+					if !(rel <= 2e-2) {
+						t.Errorf("batch %d: new kernels (%d-thread attention) vs old: relative error %g > 2e-2", n, bs[k].fn.d2Threads, rel)
+					}
+				}
+			}
+			for _, b := range []*Backend{nw, pdl} {
+				if st := b.GraphStats(); st.Captures < len(groups) || st.Replays == 0 {
+					t.Errorf("pdl %v: decode graphs not captured: %+v", b.fn.pdl, st)
+				}
+			}
+		})
+	}
+}
+
+func TestResidentBlocks(t *testing.T) {
+	for _, c := range []struct{ threads, regs, smem, perSM, want int }{
+		{256, 64, 0, 233472, 4},          // 64 regs: 16K per block
+		{256, 70, 0, 233472, 3},          // 70 regs round to 72
+		{256, 72, 32 << 10, 233472, 3},   // 72 regs: 18K per block
+		{256, 32, 100 << 10, 233472, 2},  // shared memory bound
+		{128, 128, 16640, 233472, 4},     // attn_decode2
+		{256, 255, 200 << 10, 233472, 1}, // never 0
+	} {
+		if got := residentBlocks(c.threads, c.regs, c.smem, c.perSM); got != c.want {
+			t.Errorf("residentBlocks(%d, %d, %d, %d) = %d, want %d", c.threads, c.regs, c.smem, c.perSM, got, c.want)
+		}
+	}
+	if got := rmsVT(4096); got != 256 {
+		t.Errorf("rmsVT(4096) = %d, want 256", got)
+	}
+	if got := rmsVT(8192); got != 256 {
+		t.Errorf("rmsVT(8192) = %d, want 256 (capped at the block)", got)
+	}
+	if got := rmsVT(64); got != 32 {
+		t.Errorf("rmsVT(64) = %d, want 32", got)
+	}
+}
