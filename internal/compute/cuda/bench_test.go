@@ -99,7 +99,7 @@ func TestBench8B(t *testing.T) {
 	}{
 		{"v2", tuning{}},
 		{"v2-flash4warps", tuning{flashWarps: 4}},
-		{"v2-cublas-decode", tuning{gemvMax: -1, skinnyMax: -1}},
+		{"v2-cublas-decode", tuning{gemvMax: -1}},
 		{"v1", tuning{noV2: true, split: 256}},
 	} {
 		t.Run(v.name, func(t *testing.T) {
@@ -238,7 +238,8 @@ func TestBenchGraph8B(t *testing.T) {
 	for _, v := range []struct {
 		name string
 		tu   tuning
-	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"old", tuning{noFused: true, decodeV1: true, skinnyMax: -1}}} {
+	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
+		{"old", tuning{noFused: true, decodeV1: true}}} {
 		t.Run(v.name, func(t *testing.T) { lines = append(lines, benchGraph(t, cfg, v.name, v.tu, v.name == "new")...) })
 	}
 	for _, l := range lines {

@@ -33,14 +33,17 @@ type tuning struct {
 	noDecode   bool // attn_split instead of attn_decode2 / attn_decode
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
-	// noFuseCombine: attn_decode2 leaves the merge of the splits to
-	// attn_combine.
-	noFuseCombine bool
+	// fuseCombine: attn_decode2 merges its own splits instead of leaving
+	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
+	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
+	fuseCombine bool
 	// noFused: small batches run rmsnorm, gemv_*, rope_kv and silu_mul as
 	// separate kernels instead of the fused gemv2_* layer.
 	noFused bool
 	// skinnyMax: decode GEMMs of gemvMax+1 .. skinnyMax tokens run
-	// gemm_sk_* (0: 32, the most it takes; -1: cuBLAS).
+	// gemm_sk_* (at most skMaxN); 0: cuBLAS, which measured as fast or
+	// faster at every size on an H200 (2026-12-01: 1.04-1.70x the time of
+	// cuBLAS's at 5..32 tokens).
 	skinnyMax int
 	// pdl launches the fused GEMVs and skinny GEMMs with programmatic
 	// dependent launch (each prefetches its weights while the kernel ahead
@@ -241,7 +244,7 @@ func (b *Backend) loadKernels() error {
 				}
 			}
 		}
-		if f.attnDecode2 != nil && !tu.noFuseCombine {
+		if f.attnDecode2 != nil && tu.fuseCombine {
 			const q = 4096
 			p, err := b.alloc(uint64(q * b.cfg.KVHeads * 4))
 			if err != nil {
@@ -259,8 +262,8 @@ func (b *Backend) loadKernels() error {
 	if !tu.noFused && f.gemvMax > 0 && b.cfg.Dim%8 == 0 {
 		b.loadFused()
 	}
-	if tu.skinnyMax >= 0 {
-		if err := b.loadSkinny(min(cmp.Or(tu.skinnyMax, skMaxN), skMaxN)); err != nil {
+	if tu.skinnyMax > 0 {
+		if err := b.loadSkinny(min(tu.skinnyMax, skMaxN)); err != nil {
 			return err
 		}
 	}
