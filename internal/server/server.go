@@ -133,6 +133,24 @@ type Config struct {
 	// Vouchers says which requests a prefill or decode server serves: by
 	// default those of the load balancer, with its voucher.
 	Vouchers VoucherPolicy
+
+	// PrefixCache says the Generator caches finished requests' KV: a prompt
+	// asked for n > 1 times is then computed once first, so that its samples
+	// share its pages.
+	PrefixCache bool
+	// MaxBatch bounds the generations of one request (prompts times n); 0:
+	// DefaultMaxBatch.
+	MaxBatch int
+	// PageSize is the KV page size in tokens, for the token gauges
+	// (sglang:num_used_tokens); 0 counts pages.
+	PageSize int
+	// TokenizerPath is reported by /get_model_info.
+	TokenizerPath string
+	// ServerArgs are the launch settings by SGLang's names (model_path,
+	// tp_size, ...), answered by /get_server_args and in /server_info.
+	ServerArgs map[string]any
+	// Version is the build's version, reported by /server_info.
+	Version string
 }
 
 // Validate reports a configuration the server cannot run with.
@@ -160,6 +178,9 @@ func (c *Config) Validate() error {
 	if c.ReadTimeout < 0 {
 		return fmt.Errorf("server: negative ReadTimeout %v", c.ReadTimeout)
 	}
+	if c.MaxBatch < 0 || c.PageSize < 0 {
+		return fmt.Errorf("server: negative MaxBatch %d or PageSize %d", c.MaxBatch, c.PageSize)
+	}
 	return nil
 }
 
@@ -172,6 +193,7 @@ type Server struct {
 	created int64 // unix seconds, reported as the model's "created"
 
 	vouchers *voucher.Checker // nil: not checked
+	live     live             // generations running, for /abort_request
 }
 
 // New checks cfg, fills in its defaults and registers the server's metrics.
@@ -200,11 +222,14 @@ func New(cfg Config) (*Server, error) {
 	if cfg.ChatTemplate == nil {
 		cfg.ChatTemplate = defaultChatTemplate(cfg.Tokenizer)
 	}
+	if cfg.MaxBatch == 0 {
+		cfg.MaxBatch = DefaultMaxBatch
+	}
 	lg := cfg.Logger
 	if lg == nil {
 		lg = zap.NewNop()
 	}
-	m, err := newMetrics(cfg.Registerer)
+	m, err := newMetrics(&cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -283,6 +308,13 @@ func (s *Server) routes() {
 	handle(http.MethodGet, "/health_generate", s.handleHealthGenerate)
 	handle(http.MethodGet, "/get_model_info", s.handleModelInfo)
 	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
+	handle(http.MethodGet, "/server_info", s.handleServerInfo)
+	handle(http.MethodGet, "/get_server_args", s.handleServerArgs)
+	handle(http.MethodPost, "/tokenize", s.handleTokenize)
+	handle(http.MethodPost, "/v1/tokenize", s.handleTokenize)
+	handle(http.MethodPost, "/detokenize", s.handleDetokenize)
+	handle(http.MethodPost, "/v1/detokenize", s.handleDetokenize)
+	handle(http.MethodPost, "/abort_request", s.handleAbort)
 	handle(http.MethodGet, "/metrics", s.handleMetrics)
 	handle(http.MethodPost, "/flush_cache", s.handleFlushCache)
 	if s.cfg.Profiling {
