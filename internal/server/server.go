@@ -9,6 +9,7 @@ package server
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"net"
@@ -151,6 +152,9 @@ type Config struct {
 	ServerArgs map[string]any
 	// Version is the build's version, reported by /server_info.
 	Version string
+	// APIKey, when set, is required as "Authorization: Bearer KEY" on every
+	// endpoint but /health, /health_generate and /metrics (SGLang's --api-key).
+	APIKey string
 }
 
 // Validate reports a configuration the server cannot run with.
@@ -189,6 +193,7 @@ type Server struct {
 	cfg     Config
 	lg      *zap.Logger
 	mux     *http.ServeMux
+	handler http.Handler // mux behind the API key check
 	metrics *metrics
 	created int64 // unix seconds, reported as the model's "created"
 
@@ -241,11 +246,31 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.vouchers = newVoucherChecker(&s.cfg, s.lg)
 	s.routes()
+	s.handler = s.withAPIKey(s.mux)
 	return s, nil
 }
 
 // Handler returns the HTTP handler of every endpoint.
-func (s *Server) Handler() http.Handler { return s.mux }
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// keyFree are the paths served without Config.APIKey.
+var keyFree = map[string]bool{"/health": true, "/health_generate": true, "/metrics": true}
+
+// withAPIKey requires Config.APIKey's bearer token, compared in constant time.
+func (s *Server) withAPIKey(next http.Handler) http.Handler {
+	if s.cfg.APIKey == "" {
+		return next
+	}
+	want := []byte("Bearer " + s.cfg.APIKey)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !keyFree[r.URL.Path] && subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), want) != 1 {
+			w.Header().Set("WWW-Authenticate", "Bearer")
+			writeError(w, &Error{Status: http.StatusUnauthorized, Message: "this server needs its API key: send \"Authorization: Bearer KEY\""})
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
 
 // Serve serves HTTP on ln until ctx ends, then shuts down gracefully: it stops
 // accepting, waits up to Config.ShutdownTimeout for requests in flight, then
@@ -257,7 +282,7 @@ func (s *Server) Handler() http.Handler { return s.mux }
 // may take longer (TestReadTimeout).
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	hs := &http.Server{
-		Handler:           s.mux,
+		Handler:           s.handler,
 		ReadHeaderTimeout: min(headerTimeout, s.cfg.ReadTimeout),
 		ReadTimeout:       s.cfg.ReadTimeout,
 		IdleTimeout:       2 * time.Minute,
