@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"sync"
@@ -450,4 +451,31 @@ func metricValue(t *testing.T, g prometheus.Gatherer, name string) float64 {
 		}
 	}
 	return v
+}
+
+// TestAPIKey: with an API key every endpoint but health and metrics needs it.
+func TestAPIKey(t *testing.T) {
+	ts, _ := newServer(t, server.Config{APIKey: "sk-secret"})
+	for _, path := range []string{"/health", "/health_generate", "/metrics"} {
+		if status, body := get(t, ts.URL+path); status != 200 {
+			t.Errorf("%s without the key: %d %s", path, status, body)
+		}
+	}
+	status, body := post(t, ts.URL+"/generate", `{"text": "a"}`)
+	checkError(t, status, body, 401, "API key")
+	if status, body := get(t, ts.URL+"/get_server_args"); status != 401 || strings.Contains(string(body), "sk-secret") {
+		t.Errorf("get_server_args without the key: %d %s", status, body)
+	}
+	for key, want := range map[string]int{"Bearer sk-secret": 200, "Bearer sk-secreT": 401, "sk-secret": 401} {
+		req, _ := http.NewRequest("POST", ts.URL+"/generate", strings.NewReader(`{"text": "a", "sampling_params": {"max_new_tokens": 1}}`))
+		req.Header.Set("Authorization", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Errorf("Authorization %q: %d, want %d", key, resp.StatusCode, want)
+		}
+	}
 }
