@@ -9,6 +9,10 @@ PKGS       = $(shell $(GO) list ./... | grep -v /test/e2e)
 # Packages tested again under the race detector and allocator invariants.
 RACE_PKGS := ./pkg/transfer/... ./internal/kvcache/... ./internal/engine/... ./internal/disagg/... ./internal/lb/...
 export MOONCAKE_SHARED ?= $(abspath ../shared)
+# go-nvml's C bindings call NVML functions NVIDIA marked deprecated: without this,
+# every fresh build prints ~150 lines of -Wdeprecated-declarations about them. Go's
+# default flags (-O2 -g) are kept; a CGO_CFLAGS of the caller's is extended.
+export CGO_CFLAGS := $(or $(CGO_CFLAGS),-O2 -g) -Wno-deprecated-declarations
 
 .PHONY: build test test-race fixtures bench lint demo gpu-bundle fuzz clean
 
@@ -32,8 +36,9 @@ lint:
 	$(GO) vet ./...
 	bash scripts/check-imports.sh
 
+# One request through the LB, a breakdown, and it stops (DEMO_FLAGS=--keep-serving keeps serving).
 demo: build
-	./$(BIN) demo
+	./$(BIN) demo $(DEMO_FLAGS)
 
 gpu-bundle:
 	bash scripts/gpu-bundle.sh
