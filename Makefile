@@ -16,8 +16,15 @@ export CGO_CFLAGS := $(or $(CGO_CFLAGS),-O2 -g) -Wno-deprecated-declarations
 
 .PHONY: build test test-race fixtures bench lint demo gpu-bundle fuzz clean
 
+# The binary's version (mooncake-go version) comes from its build info: the
+# module's version and the VCS revision and time. Go stamps the revision in a
+# clone, not in a git worktree: the linker flags carry it there.
+CLI       := github.com/mooncake-go/mooncake-go/internal/cli
+LDFLAGS   := -X $(CLI).revision=$(shell git rev-parse HEAD 2>/dev/null) \
+             -X $(CLI).revisionTime=$(shell git log -1 --format=%cI 2>/dev/null) \
+             -X $(CLI).revisionModified=$(shell git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && echo true)
 build:
-	$(GO) build -o $(BIN) ./cmd/mooncake-go
+	$(GO) build -buildvcs=auto -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/mooncake-go
 
 fixtures:
 	bash scripts/npm-fixtures.sh

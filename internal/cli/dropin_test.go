@@ -347,3 +347,28 @@ func TestBenchTransferMooncakeSpellings(t *testing.T) {
 		t.Fatalf("target: %v", err)
 	}
 }
+
+// TestVersion: the version names the build: -ldflags' Version, the module's, or
+// dev-<revision>; `version` prints the revision and its time when known.
+func TestVersion(t *testing.T) {
+	for _, c := range []struct {
+		b    build
+		want string
+	}{
+		{build{module: "v1.2.3", revision: "0123456789abcdef0123"}, "v1.2.3"},
+		{build{revision: "0123456789abcdef0123"}, "dev-0123456789ab"},
+		{build{revision: "0123456789abcdef0123", modified: true}, "dev-0123456789ab-modified"},
+		{build{}, "dev"},
+	} {
+		if got := c.b.version(); got != c.want {
+			t.Errorf("%+v: %q, want %q", c.b, got, c.want)
+		}
+	}
+	revision, revisionTime = "fedcba9876543210fedcba9876543210fedcba98", "2026-12-01T00:00:00Z"
+	defer func() { revision, revisionTime = "", "" }()
+	out, err := run(t, "version")
+	if err != nil || !strings.Contains(out, "revision  fedcba9876543210fedcba9876543210fedcba98") || !strings.Contains(out, "time      2026-12-01T00:00:00Z") ||
+		!strings.Contains(out, "go        go1.") {
+		t.Fatalf("version: %v\n%s", err, out)
+	}
+}

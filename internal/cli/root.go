@@ -20,6 +20,10 @@ import (
 // Version is set at build time with -ldflags "-X ...cli.Version=v".
 var Version = "dev"
 
+// The VCS revision, its time and whether the tree was modified, set by the
+// Makefile's -ldflags where Go does not stamp them (a git worktree).
+var revision, revisionTime, revisionModified string
+
 type globals struct {
 	logLevel    string
 	logFormat   string
@@ -108,7 +112,7 @@ type build struct {
 
 // readBuild reads the build info the Go toolchain embeds.
 func readBuild() build {
-	b := build{goVersion: runtime.Version()}
+	b := build{goVersion: runtime.Version(), revision: revision, time: revisionTime, modified: revisionModified == "true"}
 	bi, ok := debug.ReadBuildInfo()
 	if !ok {
 		return b
