@@ -372,3 +372,23 @@ func TestVersion(t *testing.T) {
 		t.Fatalf("version: %v\n%s", err, out)
 	}
 }
+
+// TestDropInDoc: docs/DROPIN.md lists every SGLang flag taken without effect and every
+// MC_* variable read.
+func TestDropInDoc(t *testing.T) {
+	b, err := os.ReadFile("../../docs/DROPIN.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	doc := string(b)
+	for _, c := range compatFlags {
+		if !strings.Contains(doc, "`--"+c.name) {
+			t.Errorf("docs/DROPIN.md does not list --%s", c.name)
+		}
+	}
+	for _, v := range mcHonoured {
+		if !strings.Contains(doc, "`"+v+"`") {
+			t.Errorf("docs/DROPIN.md does not list %s", v)
+		}
+	}
+}
