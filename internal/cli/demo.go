@@ -27,8 +27,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry"
 )
 
-func init() { commands = append(commands, newDemoCmd) }
-
 type demoFlags struct {
 	modelPath, tokenizerPath string
 	prompt, backend          string

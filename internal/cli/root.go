@@ -66,15 +66,19 @@ func newRoot(g *globals) *cobra.Command {
 		g.environ = os.Environ
 	}
 	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
-	root.AddCommand(newVersionCmd(g))
-	for _, add := range commands {
-		root.AddCommand(add(g))
-	}
+	// Every command, registered here (no init lists in the command files).
+	root.AddCommand(
+		newServeCmd(g),
+		newLBCmd(g),
+		newDemoCmd(g),
+		newBenchCmd(g),
+		newTopoCmd(g),
+		newConvertCmd(g),
+		newRegistryCmd(g),
+		newVersionCmd(g),
+	)
 	return root
 }
-
-// commands are the subcommands defined in this package's other files.
-var commands []func(*globals) *cobra.Command
 
 func newVersionCmd(g *globals) *cobra.Command {
 	return &cobra.Command{

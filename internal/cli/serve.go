@@ -27,8 +27,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
 
-func init() { commands = append(commands, newServeCmd) }
-
 type serveFlags struct {
 	transferFlags
 	modelPath, tokenizerPath, servedName string
