@@ -17,6 +17,7 @@ pkgs+=(${GPU_TEST_PKGS:-})
 rm -rf "$out"
 mkdir -p "$out/bin" "$out/shared/models" "$out/shared/reference"
 export CGO_ENABLED=1
+export CGO_CFLAGS="${CGO_CFLAGS:--O2 -g} -Wno-deprecated-declarations" # go-nvml's deprecated NVML calls
 
 if [ -d cmd/mooncake-go ]; then
 	if go build -trimpath -ldflags "-s -w" -o "$out/bin/mooncake-go" ./cmd/mooncake-go; then

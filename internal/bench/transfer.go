@@ -15,7 +15,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
-	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
@@ -39,6 +38,19 @@ type TransferConfig struct {
 	GPUID           int
 	Baseline        bool
 	JSON            bool
+	// Format is the report's form: "text" (""), "json" (as JSON) or "mooncake":
+	// transfer_engine_bench's result line, in ReportUnit with ReportPrecision
+	// decimals.
+	Format          string
+	ReportUnit      string // GB (""), GiB, Gb, MB, MiB, Mb, KB, KiB or Kb per second
+	ReportPrecision int
+}
+
+// reportUnits are transfer_engine_bench's rate units, in bytes.
+var reportUnits = map[string]float64{
+	"GB": 1e9, "GiB": 1 << 30, "Gb": 1e9 / 8,
+	"MB": 1e6, "MiB": 1 << 20, "Mb": 1e6 / 8,
+	"KB": 1e3, "KiB": 1 << 10, "Kb": 1e3 / 8,
 }
 
 // DefaultTransferConfig returns the defaults of Mooncake's
@@ -46,7 +58,7 @@ type TransferConfig struct {
 func DefaultTransferConfig() TransferConfig {
 	return TransferConfig{Mode: "initiator", LocalServerName: "127.0.0.1:0", MetadataServer: "p2p", Protocol: "auto",
 		Operation: "write", BlockSize: 64 << 10, BatchSize: 128, Threads: 4, Duration: 10 * time.Second,
-		BufferSize: 1 << 30}
+		BufferSize: 1 << 30, Format: "text", ReportUnit: "GB", ReportPrecision: 2}
 }
 
 // Validate reports flags RunTransfer cannot use.
@@ -68,6 +80,12 @@ func (c *TransferConfig) Validate() error {
 		return fmt.Errorf("bench: --duration %v must be positive", c.Duration)
 	case c.BufferSize < c.BlockSize:
 		return fmt.Errorf("bench: --buffer-size %d is smaller than --block-size %d", c.BufferSize, c.BlockSize)
+	case c.Format != "" && c.Format != "text" && c.Format != "json" && c.Format != "mooncake":
+		return fmt.Errorf("bench: --format %q: want text, json or mooncake", c.Format)
+	case c.ReportUnit != "" && reportUnits[c.ReportUnit] == 0:
+		return fmt.Errorf("bench: --report-unit %q: want GB, GiB, Gb, MB, MiB, Mb, KB, KiB or Kb", c.ReportUnit)
+	case c.ReportPrecision < 0 || c.ReportPrecision > 12:
+		return fmt.Errorf("bench: --report-precision %d: want 0 to 12", c.ReportPrecision)
 	}
 	return nil
 }
@@ -140,10 +158,6 @@ func RunTransfer(ctx context.Context, cfg TransferConfig, deps Deps, out io.Writ
 		return err
 	}
 	return report(out, cfg, res)
-}
-
-func memOf(addr uintptr, n int64) []byte {
-	return unsafe.Slice((*byte)(*(*unsafe.Pointer)(unsafe.Pointer(&addr))), n)
 }
 
 // buffer allocates the benchmark's registered memory.
@@ -520,10 +534,27 @@ func memcpy(buf []byte, cfg TransferConfig, d time.Duration) (int64, time.Durati
 	return total.Load(), time.Since(start)
 }
 
+// MooncakeLine is transfer_engine_bench's result line for r: its duration, batch
+// count and throughput in unit (GB when "") with prec decimals.
+func MooncakeLine(r *Result, unit string, prec int) string {
+	if unit == "" {
+		unit = "GB"
+	}
+	rate := 0.0
+	if r.Seconds > 0 {
+		rate = float64(r.Bytes) / r.Seconds / reportUnits[unit]
+	}
+	return fmt.Sprintf("Test completed: duration %.2f, batch count %d, throughput %.*f %s/s", r.Seconds, r.Batches, prec, rate, unit)
+}
+
 func report(out io.Writer, cfg TransferConfig, r *Result) error {
-	if cfg.JSON {
+	switch {
+	case cfg.JSON || cfg.Format == "json":
 		enc := json.NewEncoder(out)
 		return enc.Encode(r)
+	case cfg.Format == "mooncake":
+		_, err := fmt.Fprintln(out, MooncakeLine(r, cfg.ReportUnit, cfg.ReportPrecision))
+		return err
 	}
 	form := ""
 	if r.PageList {

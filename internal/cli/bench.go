@@ -9,8 +9,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/loadgen"
 )
 
-func init() { commands = append(commands, newBenchCmd) }
-
 func newBenchCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{Use: "bench", Short: "Benchmarks: transfer (the transfer engine) and serve (a load generator)"}
 	cmd.AddCommand(newBenchServeCmd(g), newBenchTransferCmd(g))

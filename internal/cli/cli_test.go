@@ -15,7 +15,7 @@ func run(t *testing.T, args ...string) (string, error) {
 	var out bytes.Buffer
 	g := &globals{out: &out, errw: &out}
 	root := newRoot(g)
-	root.SetArgs(args)
+	root.SetArgs(normalizeArgs(args))
 	err := root.ExecuteContext(context.Background())
 	return out.String(), err
 }
@@ -59,10 +59,10 @@ func TestServeGraphFlags(t *testing.T) {
 		}
 	}
 	core, logs := observer.New(zap.InfoLevel)
-	(&serveFlags{}).noteGraphFlags(zap.New(core))
-	(&serveFlags{graphFlagsSet: true}).noteGraphFlags(zap.New(core))
-	if n := logs.FilterMessageSnippet("no effect on the cpu backend").Len(); n != 1 {
-		t.Errorf("%d notes that the cpu backend ignores the graph flags, want 1 (only when given)", n)
+	(&serveFlags{}).noteGPUFlags(zap.New(core))
+	(&serveFlags{gpuFlagsSet: []string{"--disable-cuda-graph", "--base-gpu-id"}}).noteGPUFlags(zap.New(core))
+	if l := logs.FilterMessageSnippet("no effect on the cpu backend"); l.Len() != 1 || !strings.Contains(l.All()[0].Message, "--disable-cuda-graph, --base-gpu-id") {
+		t.Errorf("%d notes that the cpu backend ignores the GPU flags, want 1 naming them (only when given)", l.Len())
 	}
 	for _, c := range []struct{ maxBS, running, want int }{{256, 0, 64}, {16, 0, 16}, {256, 300, 256}, {100, 80, 80}} {
 		f := &serveFlags{cudaGraphMaxBS: c.maxBS, maxRunning: c.running}

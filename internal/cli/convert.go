@@ -14,8 +14,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
-func init() { commands = append(commands, newConvertCmd) }
-
 func newConvertCmd(g *globals) *cobra.Command {
 	var from, to, modelPath, tokPath, out, config, dtype string
 	var random bool

@@ -27,13 +27,11 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry"
 )
 
-func init() { commands = append(commands, newDemoCmd) }
-
 type demoFlags struct {
 	modelPath, tokenizerPath string
 	prompt, backend          string
 	maxNew                   int
-	once                     bool
+	keep, once               bool
 }
 
 func newDemoCmd(g *globals) *cobra.Command {
@@ -52,7 +50,9 @@ func newDemoCmd(g *globals) *cobra.Command {
 	fl.StringVar(&f.prompt, "prompt", "Once upon a time", "the demo request's prompt")
 	fl.IntVar(&f.maxNew, "max-new-tokens", 48, "tokens to generate")
 	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp or shm")
-	fl.BoolVar(&f.once, "once", false, "exit after the request instead of serving until Ctrl-C")
+	fl.BoolVar(&f.keep, "keep-serving", false, "keep the servers and the LB up after the request, until Ctrl-C")
+	fl.BoolVar(&f.once, "once", false, "exit after the request (the default; --keep-serving keeps serving)")
+	_ = fl.MarkHidden("once")
 	return cmd
 }
 
@@ -148,7 +148,12 @@ func runDemo(ctx context.Context, f *demoFlags, lg *zap.Logger, out io.Writer) e
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "logs in %s\n", dir)
+	ends := "then it stops them all and exits (--keep-serving keeps them up)"
+	if f.keep && !f.once {
+		ends = "then it keeps serving until Ctrl-C"
+	}
+	fmt.Fprintf(out, "starting an embedded etcd, a prefill, a decode and a load balancer on 127.0.0.1 (logs in %s);\n"+
+		"the demo sends one request through the load balancer and prints what happened, %s\n", dir, ends)
 	etcdLog := zap.NewNop() // etcd is chatty, and noisy when it stops
 	if lg.Core().Enabled(zap.DebugLevel) {
 		etcdLog = lg.Named("etcd")
@@ -237,11 +242,13 @@ func runDemo(ctx context.Context, f *demoFlags, lg *zap.Logger, out io.Writer) e
 	fmt.Fprintf(out, "prefill           %s (bootstrap port %v, transfer segment %v)\n", pre.url, info["bootstrap_port"], info["transfer_segment"])
 	fmt.Fprintf(out, "decode            %s (transfer segment %v)\n", dec.url, dinfo["transfer_segment"])
 	fmt.Fprintf(out, "load balancer     %s\n", lbURL)
-	if f.once {
+	if !f.keep || f.once {
+		fmt.Fprintln(out, "\ndone: the demo stopped its servers. `mooncake-go demo --keep-serving` keeps them up to try them with curl or an OpenAI client")
 		return nil
 	}
 	fmt.Fprintf(out, "\ntry: curl -s %s/generate -d '{\"text\":\"Once upon a time\",\"sampling_params\":{\"temperature\":0}}'\n", lbURL)
-	fmt.Fprintln(out, "press Ctrl-C to stop")
+	fmt.Fprintf(out, "     curl -s %s/v1/completions -d '{\"prompt\":\"Once upon a time\",\"max_tokens\":16}'\n", lbURL)
+	fmt.Fprintln(out, "serving until Ctrl-C")
 	select {
 	case <-ctx.Done():
 	case err := <-pre.exited:

@@ -62,7 +62,7 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 	if f.dtype == "bfloat16" {
 		return nil, fmt.Errorf("--dtype bfloat16: the cpu backend computes in float32")
 	}
-	f.noteGraphFlags(lg)
+	f.noteGPUFlags(lg)
 	ps := f.pageSize
 	if ps == 0 {
 		ps = 64
@@ -122,14 +122,6 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	}
 	b.close = append(b.close, func() error { return te.UnregisterMemory(context.Background(), uintptr(be.KVBase())) })
 	return b, nil
-}
-
-// noteGraphFlags logs that the cpu backend ignores the CUDA graph flags,
-// which serve accepts on any device as SGLang does.
-func (f *serveFlags) noteGraphFlags(lg *zap.Logger) {
-	if f.graphFlagsSet {
-		lg.Info("--disable-cuda-graph and --cuda-graph-max-bs have no effect on the cpu backend")
-	}
 }
 
 // graphMaxBS is the largest decode batch to capture: --cuda-graph-max-bs,

@@ -15,8 +15,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/lb"
 )
 
-func init() { commands = append(commands, newLBCmd) }
-
 func newLBCmd(g *globals) *cobra.Command {
 	var cfg lb.Config
 	var sf secretFlags

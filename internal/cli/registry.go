@@ -15,8 +15,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry/httpmeta"
 )
 
-func init() { commands = append(commands, newRegistryCmd) }
-
 func newRegistryCmd(g *globals) *cobra.Command {
 	var host string
 	var port int

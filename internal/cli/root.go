@@ -8,7 +8,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime"
 	"runtime/debug"
+	"strings"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
@@ -18,17 +20,27 @@ import (
 // Version is set at build time with -ldflags "-X ...cli.Version=v".
 var Version = "dev"
 
+// The VCS revision, its time and whether the tree was modified, set by the
+// Makefile's -ldflags where Go does not stamp them (a git worktree).
+var revision, revisionTime, revisionModified string
+
 type globals struct {
-	logLevel  string
-	logFormat string
-	out, errw io.Writer
+	logLevel    string
+	logFormat   string
+	logLevelSet func() bool // --log-level given
+	out, errw   io.Writer
+	// env and environ read the environment (os.Getenv, os.Environ).
+	env     func(string) string
+	environ func() []string
+	// lg, when set, is the logger commands use instead of building one (tests).
+	lg *zap.Logger
 }
 
 // Execute runs the command line and returns the process exit code.
 func Execute(ctx context.Context, args []string) int {
-	g := &globals{out: os.Stdout, errw: os.Stderr}
+	g := &globals{out: os.Stdout, errw: os.Stderr, env: os.Getenv, environ: os.Environ}
 	root := newRoot(g)
-	root.SetArgs(args)
+	root.SetArgs(normalizeArgs(args))
 	if err := root.ExecuteContext(ctx); err != nil {
 		fmt.Fprintln(g.errw, "error:", err)
 		return 1
@@ -45,43 +57,112 @@ func newRoot(g *globals) *cobra.Command {
 	}
 	root.SetOut(g.out)
 	root.SetErr(g.errw)
-	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn, error")
-	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
-	root.AddCommand(newVersionCmd(g))
-	for _, add := range commands {
-		root.AddCommand(add(g))
+	root.PersistentFlags().StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn (warning), error (MC_LOG_LEVEL sets it when this flag is not given)")
+	g.logLevelSet = func() bool { return root.PersistentFlags().Changed("log-level") }
+	if g.env == nil {
+		g.env = os.Getenv
 	}
+	if g.environ == nil {
+		g.environ = os.Environ
+	}
+	root.PersistentFlags().StringVar(&g.logFormat, "log-format", "console", "log format: console or json")
+	// Every command, registered here (no init lists in the command files).
+	root.AddCommand(
+		newServeCmd(g),
+		newLBCmd(g),
+		newDemoCmd(g),
+		newBenchCmd(g),
+		newTopoCmd(g),
+		newConvertCmd(g),
+		newRegistryCmd(g),
+		newVersionCmd(g),
+	)
 	return root
 }
-
-// commands are the subcommands defined in this package's other files.
-var commands []func(*globals) *cobra.Command
 
 func newVersionCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "version",
-		Short: "Print the version",
+		Short: "Print the version: the module's, the VCS revision and time the binary was built from, and Go's",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			v := Version
-			if bi, ok := debug.ReadBuildInfo(); ok && v == "dev" {
-				for _, s := range bi.Settings {
-					if s.Key == "vcs.revision" && len(s.Value) >= 12 {
-						v = "dev-" + s.Value[:12]
-					}
-				}
+			b := readBuild()
+			out := cmd.OutOrStdout()
+			fmt.Fprintln(out, "mooncake-go", b.version())
+			if b.module != "" {
+				fmt.Fprintln(out, "module   ", b.module)
 			}
-			fmt.Fprintln(cmd.OutOrStdout(), "mooncake-go", v)
+			if b.revision != "" {
+				mod := ""
+				if b.modified {
+					mod = " (modified)"
+				}
+				fmt.Fprintf(out, "revision  %s%s\n", b.revision, mod)
+			}
+			if b.time != "" {
+				fmt.Fprintln(out, "time     ", b.time)
+			}
+			fmt.Fprintln(out, "go       ", b.goVersion)
 			return nil
 		},
 	}
 }
 
+// build is what the binary knows of its build.
+type build struct {
+	module, revision, time, goVersion string
+	modified                          bool
+}
+
+// readBuild reads the build info the Go toolchain embeds.
+func readBuild() build {
+	b := build{goVersion: runtime.Version(), revision: revision, time: revisionTime, modified: revisionModified == "true"}
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return b
+	}
+	if v := bi.Main.Version; v != "" && v != "(devel)" {
+		b.module = v
+	}
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			b.revision = s.Value
+		case "vcs.time":
+			b.time = s.Value
+		case "vcs.modified":
+			b.modified = s.Value == "true"
+		}
+	}
+	return b
+}
+
+// version is the build's version in one word: -ldflags' Version, else the
+// module's, else dev-<revision>.
+func (b build) version() string {
+	switch {
+	case Version != "dev":
+		return Version
+	case b.module != "":
+		return b.module
+	case len(b.revision) >= 12:
+		v := "dev-" + b.revision[:12]
+		if b.modified {
+			v += "-modified"
+		}
+		return v
+	}
+	return "dev"
+}
+
+// version is this binary's version (readBuild().version()).
+func version() string { return readBuild().version() }
+
 // logger builds the process logger from the global flags.
 func (g *globals) logger() (*zap.Logger, error) {
-	lvl, err := zapcore.ParseLevel(g.logLevel)
+	lvl, err := g.level()
 	if err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
+		return nil, err
 	}
 	var cfg zap.Config
 	switch g.logFormat {
@@ -106,6 +187,9 @@ func (g *globals) logger() (*zap.Logger, error) {
 // global flags (and flushed when the command ends).
 func (g *globals) withLogger(run func(cmd *cobra.Command, lg *zap.Logger) error) func(*cobra.Command, []string) error {
 	return func(cmd *cobra.Command, _ []string) error {
+		if g.lg != nil {
+			return run(cmd, g.lg)
+		}
 		lg, err := g.logger()
 		if err != nil {
 			return err
@@ -113,4 +197,26 @@ func (g *globals) withLogger(run func(cmd *cobra.Command, lg *zap.Logger) error)
 		defer lg.Sync()
 		return run(cmd, lg)
 	}
+}
+
+// level is --log-level, or MC_LOG_LEVEL (Mooncake's TRACE, INFO, WARNING, ERROR)
+// when the flag is not given; SGLang's and glog's spellings are taken too.
+func (g *globals) level() (zapcore.Level, error) {
+	name, from := g.logLevel, "--log-level"
+	if v := g.env("MC_LOG_LEVEL"); v != "" && (g.logLevelSet == nil || !g.logLevelSet()) {
+		name, from = v, "MC_LOG_LEVEL"
+	}
+	switch strings.ToLower(name) {
+	case "trace", "verbose":
+		name = "debug"
+	case "warning":
+		name = "warn"
+	case "critical", "fatal":
+		name = "error"
+	}
+	lvl, err := zapcore.ParseLevel(strings.ToLower(name))
+	if err != nil {
+		return 0, fmt.Errorf("%s %q: want debug (TRACE), info, warn (WARNING) or error", from, name)
+	}
+	return lvl, nil
 }

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/disagg"
@@ -24,8 +26,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
-
-func init() { commands = append(commands, newServeCmd) }
 
 type serveFlags struct {
 	transferFlags
@@ -48,9 +48,18 @@ type serveFlags struct {
 	randomWeights                        string
 	disableCUDAGraph                     bool
 	cudaGraphMaxBS                       int
-	graphFlagsSet                        bool // either graph flag given (the cpu backend notes it ignores them)
+	gpuFlagsSet                          []string // GPU-only flags given (the cpu backend warns it ignores them)
 	allowDirect, allowUnsigned           bool
+	// SGLang's flags: those that work, and those accepted without effect.
+	dpSize, nnodes, contextLength int
+	enableMetrics                 bool
+	apiKey, config                string
+	compat                        compatValues
+	args                          map[string]any // the flags by SGLang's names, for /get_server_args
 }
+
+// gpuOnlyFlags are serve's flags that only the cuda backend uses.
+var gpuOnlyFlags = []string{"base-gpu-id", "mem-fraction-static", "disable-cuda-graph", "cuda-graph-max-bs"}
 
 func newServeCmd(g *globals) *cobra.Command {
 	var f serveFlags
@@ -58,13 +67,40 @@ func newServeCmd(g *globals) *cobra.Command {
 		Use:   "serve",
 		Short: "Serve a model (colocated, or as the prefill or decode side of a disaggregated pair)",
 		Args:  cobra.NoArgs,
+		Long: "Serve a model (colocated, or as the prefill or decode side of a disaggregated pair).\n\n" +
+			"SGLang's launch_server flags are accepted by their names (--tp, --dp-size, --context-length,\n" +
+			"--enable-metrics, --trust-remote-code, ...): those without an effect here are hidden from this list\n" +
+			"and get one warning each, naming them and why (docs/cli.md lists them).",
 		RunE: g.withLogger(func(cmd *cobra.Command, lg *zap.Logger) error {
-			f.graphFlagsSet = cmd.Flags().Changed("disable-cuda-graph") || cmd.Flags().Changed("cuda-graph-max-bs")
+			if f.config != "" {
+				if err := applyConfig(cmd.Flags(), f.config); err != nil {
+					return err
+				}
+			}
+			f.gpuFlagsSet = nil
+			for _, n := range gpuOnlyFlags {
+				if cmd.Flags().Changed(n) {
+					f.gpuFlagsSet = append(f.gpuFlagsSet, "--"+n)
+				}
+			}
+			f.compat.warn(cmd.Flags(), lg)
+			f.args = serverArgs(cmd.Flags())
+			mc, err := readMC(g.environ(), lg)
+			if err != nil {
+				return err
+			}
+			f.mc = mc
+			if cmd.Flags().Changed("disaggregation-ib-device") && f.backend != "rdma" {
+				lg.Warn("--disaggregation-ib-device has no effect here: this build has no RDMA transport (KV moves over nvlink, shm or tcp)",
+					zap.String("device", f.ibDevice))
+			}
 			return runServe(cmd.Context(), &f, lg, cmd.OutOrStdout())
 		}),
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.modelPath, "model-path", "", "HF directory or llama2.c checkpoint (default: the built-in random-weight model)")
+	fl.StringVar(&f.modelPath, "model", "", "same as --model-path (SGLang's alias)")
+	_ = fl.MarkHidden("model")
 	fl.StringVar(&f.tokenizerPath, "tokenizer-path", "", "llama2.c tokenizer.bin (for llama2.c checkpoints)")
 	fl.StringVar(&f.servedName, "served-model-name", "", "model name in the API (default: the model path)")
 	fl.StringVar(&f.host, "host", "127.0.0.1", "listen host (HTTP, bootstrap and transfer engine)")
@@ -84,6 +120,18 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.DurationVar(&f.timeout, "transfer-timeout", 5*time.Second, "bound on one transfer batch")
 	fl.IntVar(&f.baseGPU, "base-gpu-id", 0, "first GPU to use")
 	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel size (only 1)")
+	fl.IntVar(&f.tpSize, "tp", 1, "same as --tp-size")
+	fl.IntVar(&f.tpSize, "tensor-parallel-size", 1, "same as --tp-size")
+	_ = fl.MarkHidden("tensor-parallel-size")
+	fl.IntVar(&f.dpSize, "dp-size", 1, "data parallel replicas behind this server (only 1: run replicas as servers behind mooncake-go lb)")
+	fl.IntVar(&f.dpSize, "dp", 1, "same as --dp-size")
+	fl.IntVar(&f.dpSize, "data-parallel-size", 1, "same as --dp-size")
+	_ = fl.MarkHidden("dp")
+	_ = fl.MarkHidden("data-parallel-size")
+	fl.IntVar(&f.nnodes, "nnodes", 1, "nodes of one tensor-parallel server (only 1)")
+	fl.IntVar(&f.contextLength, "context-length", 0, "context length in tokens, prompt and output (default: the model's; it may only lower it)")
+	fl.BoolVar(&f.enableMetrics, "enable-metrics", false, "accepted for SGLang's scripts: metrics are always on, on /metrics")
+	fl.StringVar(&f.apiKey, "api-key", "", "require \"Authorization: Bearer KEY\" on every endpoint but /health, /health_generate and /metrics")
 	fl.IntVar(&f.pageSize, "page-size", 0, "tokens per KV page (default 64 on cpu)")
 	fl.Float64Var(&f.memFraction, "mem-fraction-static", 0, "share of the device memory for weights + KV pool (cuda)")
 	fl.IntVar(&f.maxTotalTokens, "max-total-tokens", 0, "KV pool size in tokens (cpu default: 32768, at most a quarter of RAM; cuda default: from --mem-fraction-static)")
@@ -103,6 +151,8 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.BoolVar(&f.allowUnsigned, "allow-unsigned-bootstrap", false, "prefill or decode: take bootstrap fields without the LB's voucher (another router, such as SGLang's, in front)")
 	fl.StringVar(&f.debugFault, "debug-fault", "", "fault injection for tests: transfer (a prefill's KV transfers fail)")
 	_ = fl.MarkHidden("debug-fault")
+	fl.StringVar(&f.config, "config", "", "SGLang's YAML config file of flags (flag: value); flags on the command line win")
+	f.compat = registerCompat(fl)
 	return cmd
 }
 
@@ -113,15 +163,30 @@ func (f *serveFlags) validate() error {
 		return fmt.Errorf("--disaggregation-mode %q: want null, prefill or decode", f.mode)
 	}
 	if f.tpSize != 1 {
-		return fmt.Errorf("--tp-size %d: only 1 is supported", f.tpSize)
+		return fmt.Errorf("--tp-size %d: tensor parallelism is not implemented yet (only 1); run one server per GPU (--base-gpu-id) behind mooncake-go lb", f.tpSize)
+	}
+	if f.dpSize != 1 {
+		return fmt.Errorf("--dp-size %d: data-parallel replicas behind one server are not implemented (only 1); run %d servers (one --base-gpu-id and --port each) behind mooncake-go lb", f.dpSize, max(f.dpSize, 2))
+	}
+	if f.nnodes != 1 {
+		return fmt.Errorf("--nnodes %d: multi-node tensor parallelism is not implemented (only 1)", f.nnodes)
+	}
+	if f.contextLength < 0 {
+		return fmt.Errorf("--context-length %d: want a positive number of tokens (0: the model's)", f.contextLength)
 	}
 	switch f.dtype {
 	case "auto", "float32", "bfloat16":
+	case "float", "bf16":
+		f.dtype = map[string]string{"float": "float32", "bf16": "bfloat16"}[f.dtype]
+	case "half", "float16", "fp16":
+		return fmt.Errorf("--dtype %s: float16 is not supported; use bfloat16 (or float32)", f.dtype)
 	default:
 		return fmt.Errorf("--dtype %q: want auto, float32 or bfloat16", f.dtype)
 	}
 	switch f.device {
 	case "auto", "cpu", "cuda":
+	case "xpu", "hpu", "npu", "mps":
+		return fmt.Errorf("--device %s: only NVIDIA GPUs (cuda) and the cpu are supported", f.device)
 	default:
 		return fmt.Errorf("--device %q: want auto, cpu or cuda", f.device)
 	}
@@ -336,9 +401,16 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	if !f.noRadixCache {
 		cache = kvcache.NewRadix(be.pages, ps)
 	}
+	ctxLen := m.Config.MaxSeqLen
+	if c := f.contextLength; c > 0 {
+		if ctxLen > 0 && c > ctxLen {
+			return fmt.Errorf("--context-length %d is beyond the model's context length %d (it may only lower it)", c, ctxLen)
+		}
+		ctxLen = c
+	}
 	eng, err := engine.New(engine.Config{
 		Model: be.model, Pages: be.pages, Cache: cache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
-		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
+		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, MaxSeqLen: f.contextLength, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
 	})
 	if err != nil {
 		return err
@@ -385,8 +457,9 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		}
 	}
 	srv, err := server.New(server.Config{
-		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, RandomWeights: m.Random,
-		ContextLen: m.Config.MaxSeqLen, Mode: f.mode, ReadTimeout: f.readTimeout, Logger: lg, Gatherer: reg, Registerer: reg,
+		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, TokenizerPath: cmp.Or(f.tokenizerPath, f.modelPath),
+		RandomWeights: m.Random, ContextLen: ctxLen, Mode: f.mode, ReadTimeout: f.readTimeout, Logger: lg, Gatherer: reg, Registerer: reg,
+		PrefixCache: cache != nil, PageSize: ps, ServerArgs: f.args, Version: version(), APIKey: f.apiKey,
 		Info: func() map[string]any {
 			s := eng.Stats()
 			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages, "kv_pages_cached": s.CachedPages}
@@ -402,8 +475,38 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	if err != nil {
 		return err
 	}
+	go logTransferRate(ctx, f.mc, reg, lg)
 	lg.Info("serving", zap.String("addr", httpLn.Addr().String()), zap.String("mode", f.mode), zap.String("model", name),
 		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
+}
+
+// secretFlags are never reported by /get_server_args.
+var secretFlagsSet = map[string]bool{"cluster-token": true, "api-key": true}
+
+// serverArgs are serve's flags by SGLang's names (dashes as underscores), typed:
+// the shown ones and the hidden ones given.
+func serverArgs(fl *pflag.FlagSet) map[string]any {
+	out := map[string]any{}
+	fl.VisitAll(func(f *pflag.Flag) {
+		if secretFlagsSet[f.Name] || (f.Hidden && !f.Changed) {
+			return
+		}
+		var v any = f.Value.String()
+		switch f.Value.Type() {
+		case "int", "int64":
+			if n, err := strconv.ParseInt(f.Value.String(), 10, 64); err == nil {
+				v = n
+			}
+		case "float64":
+			if x, err := strconv.ParseFloat(f.Value.String(), 64); err == nil {
+				v = x
+			}
+		case "bool":
+			v = f.Value.String() == "true"
+		}
+		out[strings.ReplaceAll(f.Name, "-", "_")] = v
+	})
+	return out
 }

@@ -12,8 +12,6 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
 
-func init() { commands = append(commands, newTopoCmd) }
-
 func newTopoCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "topo",

@@ -43,7 +43,7 @@ func newMetrics(reg prometheus.Registerer, mode string) *metrics {
 			Buckets: b, ConstLabels: prometheus.Labels{"mode": mode},
 		}),
 		xferBytes: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "mooncake_disagg_transfer_bytes_total", Help: "KV bytes moved for disaggregated requests.",
+			Name: "mooncake_disagg_transfer_bytes_total", Help: "KV bytes moved for disaggregated requests (prefill: pushed; decode: received, as the prefill reports them).",
 			ConstLabels: prometheus.Labels{"mode": mode},
 		}),
 		xferGBps: prometheus.NewHistogram(prometheus.HistogramOpts{

@@ -157,7 +157,7 @@ type sampling struct {
 	StopTokenIDs      []int
 	IgnoreEOS         bool
 	Seed              *int64
-	N                 *int
+	N                 *int // read by the decoders into spec.n
 	LogitBias         json.RawMessage
 
 	maxName string // the field that carried MaxNewTokens: "max_new_tokens" or "max_tokens"
@@ -182,9 +182,6 @@ func (p *sampling) params(vocab int) (sp engine.SamplingParams, maxZero bool, e 
 		if e := finite(c.name, c.v); e != nil {
 			return sp, false, e
 		}
-	}
-	if p.N != nil && *p.N != 1 {
-		return sp, false, badRequest(f("n"), "%s=%d is not supported: only n=1", f("n"), *p.N)
 	}
 	if v := p.MaxNewTokens; v != nil {
 		if *v < 0 {
@@ -265,13 +262,42 @@ const (
 	promptIDs              // a list of integer token ids (or a list of one)
 )
 
-// decodePrompt reads a single prompt, given as one of the forms allowed; batches (lists
-// of several) get 400, and so does anything else, naming field.
-func decodePrompt(field string, raw json.RawMessage, forms int) (prompt, *Error) {
-	return decodePromptAt(field, field, raw, forms)
+// decodePrompts reads a request's prompt field: one prompt in one of the forms allowed,
+// or a batch (a list of strings, or a list of lists of token ids), each element its own
+// request. batch reports a list (answered with a list, as SGLang answers it).
+func decodePrompts(field string, raw json.RawMessage, forms int) (ps []prompt, batch bool, e *Error) {
+	if jsonKind(raw) == "array" {
+		elems := elements(raw)
+		if len(elems) > 0 {
+			switch k := jsonKind(elems[0]); {
+			case k == "string" && forms&promptText != 0, k == "array" && forms&promptIDs != 0:
+				ps = make([]prompt, len(elems))
+				for i, el := range elems {
+					at := field + "[" + strconv.Itoa(i) + "]"
+					want := promptText
+					if k == "array" {
+						want = promptIDs
+					}
+					if ek := jsonKind(el); ek != k {
+						return nil, false, badRequest(field, "%s: expected %s like %s[0], got JSON %s", at, map[string]string{"string": "a string", "array": "a list of token ids"}[k], field, ek)
+					}
+					if ps[i], e = decodePromptAt(field, at, el, want); e != nil {
+						return nil, false, e
+					}
+				}
+				return ps, true, nil
+			}
+		}
+	}
+	p, e := decodePromptAt(field, field, raw, forms)
+	if e != nil {
+		return nil, false, e
+	}
+	return []prompt{p}, false, nil
 }
 
-// decodePromptAt is decodePrompt for the value at path at (field, or an element of it).
+// decodePromptAt reads one prompt at path at (field, or an element of it): a string,
+// or a flat list of integer token ids.
 func decodePromptAt(field, at string, raw json.RawMessage, forms int) (prompt, *Error) {
 	want := "a string or a list of integer token ids"
 	switch forms {
@@ -296,45 +322,22 @@ func decodePromptAt(field, at string, raw json.RawMessage, forms int) (prompt, *
 	default:
 		return prompt{}, badRequest(field, "%s: expected %s, got JSON %s", at, want, k)
 	}
+	if forms&promptIDs == 0 {
+		return prompt{}, badRequest(field, "%s: expected %s, got a list", at, want)
+	}
 	elems := elements(raw)
-	kind := ""
+	ids := make([]int, len(elems))
 	for i, el := range elems {
-		k := jsonKind(el)
-		if kind == "" {
-			kind = k
+		if k := jsonKind(el); k != "number" {
+			return prompt{}, badRequest(field, "%s[%d]: expected an integer token id, got JSON %s", at, i, k)
 		}
-		if k != kind || (k != "number" && k != "string" && k != "array") {
-			return prompt{}, badRequest(field, "%s[%d]: expected %s, got JSON %s", at, i, want, k)
+		id, err := strconv.Atoi(string(el)) // JSON's integers, as encoding/json takes them
+		if err != nil {
+			return prompt{}, badRequest(field, "%s[%d]: expected an integer token id, got JSON number %s", at, i, el)
 		}
+		ids[i] = id
 	}
-	switch kind {
-	case "", "number":
-		if forms&promptIDs == 0 {
-			return prompt{}, badRequest(field, "%s: expected %s, got a list of numbers", at, want)
-		}
-		ids := make([]int, len(elems))
-		for i, el := range elems {
-			id, err := strconv.Atoi(string(el)) // JSON's integers, as encoding/json takes them
-			if err != nil {
-				return prompt{}, badRequest(field, "%s[%d]: expected an integer token id, got JSON number %s", at, i, el)
-			}
-			ids[i] = id
-		}
-		return prompt{ids: ids, field: field}, nil
-	case "string":
-		if forms&promptText == 0 {
-			return prompt{}, badRequest(field, "%s: expected %s, got a list of strings", at, want)
-		}
-	case "array":
-		if forms&promptIDs == 0 || at != field {
-			return prompt{}, badRequest(field, "%s: expected %s, got a list of lists", at, want)
-		}
-		forms = promptIDs // a list of lists of ids
-	}
-	if len(elems) != 1 {
-		return prompt{}, badRequest(field, "%s: batches are not supported: send one prompt per request", at)
-	}
-	return decodePromptAt(field, at+"[0]", elems[0], forms)
+	return prompt{ids: ids, field: field}, nil
 }
 
 // bootstrapFields are the disaggregation fields the load balancer adds.
@@ -367,10 +370,16 @@ func (b *bootstrapFields) bootstrap() (*Bootstrap, *Error) {
 // defaultMaxNewTokens is the engine's default for SamplingParams.MaxNewTokens 0.
 const defaultMaxNewTokens = 128
 
-// spec is a decoded request of any API, ready to be tokenized and submitted.
+// spec is a decoded request of any API, ready to be tokenized and submitted: one
+// prompt or a batch of them, each generated n times.
 type spec struct {
-	prompt   prompt
-	sampling sampling
+	prompts []prompt
+	// batch: the prompt was a list (answered with a list).
+	batch bool
+	// samplings are the sampling fields: one for every prompt, or one per prompt.
+	samplings []sampling
+	// n is how many completions each prompt gets (1 if not set).
+	n        int
 	logprobs bool
 	// topLogprobs: how many most likely tokens to return with each output
 	// token (with logprobs; completions: logprobs, chat: top_logprobs,
@@ -378,10 +387,121 @@ type spec struct {
 	topLogprobs int
 	// textInLogprobs: /generate's return_text_in_logprobs.
 	textInLogprobs bool
-	stream         bool
-	rid            string
-	boot           *Bootstrap
+	// inputLogprobs: /generate's logprob_start_len asks for the prompt's logprobs
+	// (only its last position: logprob_start_len -1 or len(prompt)-1).
+	inputLogprobs bool
+	// logprobStart is logprob_start_len as given (-1: the last prompt position).
+	logprobStart int
+	stream       bool
+	rids         ridList // rid: one (a prefix for a batch's elements) or one per prompt
+	ridField     string
+	// nField and promptField name the fields that carried n and the prompt.
+	nField, promptField string
+	boot                *Bootstrap
 }
+
+// samplingOf is prompt i's sampling fields.
+func (sp *spec) samplingOf(i int) *sampling {
+	if len(sp.samplings) == 1 {
+		return &sp.samplings[0]
+	}
+	return &sp.samplings[i]
+}
+
+// single reports a request of one prompt, generated once: answered with an object.
+func (sp *spec) single() bool { return !sp.batch && sp.n <= 1 }
+
+// count is how many generations the request makes.
+func (sp *spec) count() int { return len(sp.prompts) * max(sp.n, 1) }
+
+// MaxN is the largest n (completions per prompt) a request may ask for.
+const MaxN = 128
+
+// DefaultMaxBatch bounds the generations of one request (prompts times n) when
+// Config.MaxBatch is 0.
+const DefaultMaxBatch = 256
+
+// checkCount checks n and the batch's size, naming the field that carried the count.
+func (s *Server) checkCount(sp *spec) *Error {
+	nField, promptField := sp.nField, sp.promptField
+	if sp.n < 1 || sp.n > MaxN {
+		return badRequest(nField, "%s must be in [1, %d], got %d", nField, MaxN, sp.n)
+	}
+	if len(sp.prompts) == 0 {
+		return badRequest(promptField, "%s is an empty list", promptField)
+	}
+	if c := sp.count(); c > s.cfg.MaxBatch {
+		f := promptField
+		if len(sp.prompts) == 1 {
+			f = nField
+		}
+		return badRequest(f, "%d prompts times n=%d is %d generations, more than this server takes in one request (%d)", len(sp.prompts), sp.n, c, s.cfg.MaxBatch)
+	}
+	if sp.boot != nil && sp.count() > 1 {
+		f := promptField
+		if !sp.batch {
+			f = nField
+		}
+		return badRequest(f, "batches and n > 1 are not supported on disaggregated requests yet: send one prompt with n=1 per request")
+	}
+	switch r := sp.rids; {
+	case r.list && !sp.batch:
+		return badRequest(sp.ridField, "%s is a list but the prompt is not", sp.ridField)
+	case r.list && len(r.ids) != len(sp.prompts):
+		return badRequest(sp.ridField, "%s has %d ids for %d prompts", sp.ridField, len(r.ids), len(sp.prompts))
+	}
+	return nil
+}
+
+// rid is the request id of prompt i's sample j ("": generated).
+func (sp *spec) rid(i, j int) string {
+	r := sp.rids
+	switch {
+	case len(r.ids) == 0:
+		return ""
+	case r.list && sp.n <= 1:
+		return r.ids[i]
+	case r.list:
+		return r.ids[i] + "_" + strconv.Itoa(j)
+	case r.ids[0] == "":
+		return ""
+	case sp.single():
+		return r.ids[0]
+	default:
+		return r.ids[0] + "_" + strconv.Itoa(i*max(sp.n, 1)+j)
+	}
+}
+
+// ridList is SGLang's rid: a string, or a list of strings (one per prompt of a batch).
+type ridList struct {
+	ids  []string
+	list bool
+}
+
+func (r *ridList) UnmarshalJSON(b []byte) error {
+	switch jsonKind(b) {
+	case "null":
+		*r = ridList{}
+		return nil
+	case "string":
+		var one string
+		if err := json.Unmarshal(b, &one); err != nil {
+			return err
+		}
+		*r = ridList{ids: []string{one}}
+		return nil
+	case "array":
+		var many []string
+		if err := json.Unmarshal(b, &many); err != nil {
+			return errRidType
+		}
+		*r = ridList{ids: many, list: true}
+		return nil
+	}
+	return errRidType
+}
+
+var errRidType = errors.New("expected a string or a list of strings")
 
 // tooLong is the error for a prompt the tokenizer stopped at the context's length.
 func (s *Server) tooLong(field string, tl *tokenizer.TooLongError) *Error {
@@ -393,45 +513,45 @@ func (s *Server) tooLong(field string, tl *tokenizer.TooLongError) *Error {
 	return &Error{Status: http.StatusBadRequest, Param: field, Message: msg, Err: fmt.Errorf("%w: %w", engine.ErrPromptTooLong, tl)}
 }
 
-// build tokenizes and checks a spec and makes the engine request. maxZero
-// reports a request for zero new tokens, which is answered without the
-// engine.
-func (s *Server) build(sp *spec) (req *engine.Request, maxZero bool, e *Error) {
+// build tokenizes and checks prompt i of sp and makes its engine request. maxZero
+// reports a request for zero new tokens, which is answered without the engine.
+func (s *Server) build(sp *spec, i int) (req *engine.Request, maxZero bool, e *Error) {
 	vocab := s.cfg.Tokenizer.VocabSize()
-	params, maxZero, e := sp.sampling.params(vocab)
+	params, maxZero, e := sp.samplingOf(i).params(vocab)
 	if e != nil {
 		return nil, false, e
 	}
-	ids := sp.prompt.ids
-	if sp.prompt.isText {
-		if sp.prompt.text == "" {
-			return nil, false, badRequest(sp.prompt.field, "%s is empty", sp.prompt.field)
+	p := sp.prompts[i]
+	ids := p.ids
+	if p.isText {
+		if p.text == "" {
+			return nil, false, badRequest(p.field, "%s is empty", p.field)
 		}
 		limit := -1 // the context's length: longer prompts stop the tokenizer there
 		if s.cfg.ContextLen > 0 {
 			limit = s.cfg.ContextLen - 1
 		}
 		var err error
-		ids, err = s.cfg.Tokenizer.EncodeLimit(sp.prompt.text, sp.prompt.addBOS, limit)
+		ids, err = s.cfg.Tokenizer.EncodeLimit(p.text, p.addBOS, limit)
 		var tl *tokenizer.TooLongError
 		switch {
 		case errors.As(err, &tl):
-			return nil, false, s.tooLong(sp.prompt.field, tl)
+			return nil, false, s.tooLong(p.field, tl)
 		case err != nil:
-			return nil, false, badRequest(sp.prompt.field, "%s: tokenizing: %v", sp.prompt.field, err)
+			return nil, false, badRequest(p.field, "%s: tokenizing: %v", p.field, err)
 		}
 	}
 	if len(ids) == 0 {
-		return nil, false, badRequest(sp.prompt.field, "%s is empty", sp.prompt.field)
+		return nil, false, badRequest(p.field, "%s is empty", p.field)
 	}
 	for _, id := range ids {
 		if id < 0 || (vocab > 0 && id >= vocab) {
-			return nil, false, badRequest(sp.prompt.field, "%s: token id %d is outside the vocabulary [0, %d)", sp.prompt.field, id, vocab)
+			return nil, false, badRequest(p.field, "%s: token id %d is outside the vocabulary [0, %d)", p.field, id, vocab)
 		}
 	}
 	if n := s.cfg.ContextLen; n > 0 {
 		if len(ids) >= n {
-			return nil, false, &Error{Status: http.StatusBadRequest, Param: sp.prompt.field, Err: engine.ErrPromptTooLong,
+			return nil, false, &Error{Status: http.StatusBadRequest, Param: p.field, Err: engine.ErrPromptTooLong,
 				Message: fmt.Sprintf("the prompt (%d tokens) is longer than the model's context length (%d tokens)", len(ids), n)}
 		}
 		want := params.MaxNewTokens
@@ -442,7 +562,14 @@ func (s *Server) build(sp *spec) (req *engine.Request, maxZero bool, e *Error) {
 			params.MaxNewTokens = room // finishes with "length" at the end of the context
 		}
 	}
-	er := &engine.Request{ID: sp.rid, InputIDs: ids, Params: params, Logprobs: sp.logprobs}
+	if sp.inputLogprobs && sp.logprobStart >= 0 && sp.logprobStart != len(ids)-1 {
+		if sp.logprobStart >= len(ids) {
+			return nil, false, badRequest("logprob_start_len", "logprob_start_len %d is not below the prompt's %d tokens", sp.logprobStart, len(ids))
+		}
+		return nil, false, badRequest("logprob_start_len", "logprob_start_len %d is not supported: the backends compute logits for a prompt's last position only, so its logprobs start there (-1, or %d for this prompt)",
+			sp.logprobStart, len(ids)-1)
+	}
+	er := &engine.Request{ID: sp.rid(i, 0), InputIDs: ids, Params: params, Logprobs: sp.logprobs}
 	if sp.logprobs {
 		er.TopLogprobs = sp.topLogprobs
 	}

@@ -10,6 +10,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
@@ -28,6 +30,13 @@ func newEngine(t *testing.T, maxSeqLen int) *engine.Engine {
 
 func newEngineFor(t *testing.T, m *model.Model, tok tokenizer.Tokenizer, maxSeqLen int) *engine.Engine {
 	t.Helper()
+	return newEngineWith(t, m, tok, maxSeqLen, false, nil)
+}
+
+// newEngineWith is newEngineFor with a prefix cache (cached) and the engine's metrics
+// on reg (nil: none).
+func newEngineWith(t *testing.T, m *model.Model, tok tokenizer.Tokenizer, maxSeqLen int, cached bool, reg prometheus.Registerer) *engine.Engine {
+	t.Helper()
 	l := cpu.LayoutFor(m.Config, 16, 64)
 	pool, err := kvcache.NewPool(l, make([]byte, l.TotalBytes()))
 	if err != nil {
@@ -37,7 +46,11 @@ func newEngineFor(t *testing.T, m *model.Model, tok tokenizer.Tokenizer, maxSeqL
 	if err != nil {
 		t.Fatal(err)
 	}
-	e, err := engine.New(engine.Config{Model: b, Pages: pool.Alloc, Tokenizer: tok, MaxSeqLen: maxSeqLen})
+	var cache *kvcache.Radix
+	if cached {
+		cache = kvcache.NewRadix(pool.Alloc, l.PageSize)
+	}
+	e, err := engine.New(engine.Config{Model: b, Pages: pool.Alloc, Cache: cache, Tokenizer: tok, MaxSeqLen: maxSeqLen, Registerer: reg})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -38,6 +38,8 @@ func badRequest(param, format string, args ...any) *Error {
 // errorType is the OpenAI "type" of an error with this status.
 func errorType(status int) string {
 	switch {
+	case status == http.StatusUnauthorized:
+		return "authentication_error"
 	case status == http.StatusNotFound:
 		return "not_found_error"
 	case status == http.StatusServiceUnavailable:

@@ -134,9 +134,18 @@ func checkExtra(p string, val json.RawMessage, rules fieldRules, name string) *E
 	return badRequest(p, "%s", msg)
 }
 
+// selfDecoder is implemented by field types that decode themselves strictly: values of
+// several JSON shapes whose parts are objects (decodeStruct them).
+type selfDecoder interface {
+	decodeField(path string, raw json.RawMessage) *Error
+}
+
 // decodeValue decodes raw into the field fv at path p: structs and lists of structs
 // field by field, anything else with encoding/json.
 func decodeValue(p string, raw json.RawMessage, fv reflect.Value) *Error {
+	if d, ok := fv.Addr().Interface().(selfDecoder); ok {
+		return d.decodeField(p, raw)
+	}
 	t := fv.Type()
 	custom := reflect.PointerTo(t).Implements(unmarshalerType)
 	switch {
@@ -189,7 +198,7 @@ func decodeValue(p string, raw json.RawMessage, fv reflect.Value) *Error {
 // typeName names a Go type the way a JSON user thinks of it.
 func typeName(t reflect.Type) string {
 	switch t {
-	case reflect.TypeFor[stopList]():
+	case reflect.TypeFor[stopList](), reflect.TypeFor[ridList]():
 		return "a string or a list of strings"
 	}
 	switch t.Kind() {

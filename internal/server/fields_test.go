@@ -36,7 +36,7 @@ func wrongValue(name string, t reflect.Type) any {
 	switch {
 	case t == reflect.TypeFor[json.RawMessage]():
 		return map[string]any{"text": true, "input_ids": "1 2", "prompt": true, "content": 5}[name]
-	case t == reflect.TypeFor[stopList](), t == reflect.TypeFor[biasObject]():
+	case t == reflect.TypeFor[stopList](), t == reflect.TypeFor[biasObject](), t == reflect.TypeFor[ridList](), t == reflect.TypeFor[samplingParams]():
 		return 5
 	}
 	for t.Kind() == reflect.Pointer {
@@ -76,7 +76,7 @@ func objects(o object) []object {
 		}
 		p := fieldPath(o.path, name)
 		switch {
-		case ft.Kind() == reflect.Struct:
+		case ft.Kind() == reflect.Struct && !reflect.PointerTo(ft).Implements(unmarshalerType):
 			out = append(out, objects(object{p, ft, func(body map[string]any, n string, v any) {
 				o.put(body, name, map[string]any{n: v})
 			}})...)

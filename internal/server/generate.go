@@ -3,6 +3,8 @@ package server
 import (
 	"encoding/json"
 	"net/http"
+	"reflect"
+	"strconv"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	samp "github.com/mooncake-go/mooncake-go/internal/sampling"
@@ -10,15 +12,18 @@ import (
 
 // generateRequest is the body of SGLang's /generate.
 type generateRequest struct {
-	Text           json.RawMessage   `json:"text"`
-	InputIDs       json.RawMessage   `json:"input_ids"`
-	SamplingParams *generateSampling `json:"sampling_params"`
-	Stream         bool              `json:"stream"`
-	ReturnLogprob  bool              `json:"return_logprob"`
-	TopLogprobsNum int               `json:"top_logprobs_num"`
+	Text           json.RawMessage `json:"text"`
+	InputIDs       json.RawMessage `json:"input_ids"`
+	SamplingParams samplingParams  `json:"sampling_params"`
+	Stream         bool            `json:"stream"`
+	ReturnLogprob  bool            `json:"return_logprob"`
+	TopLogprobsNum int             `json:"top_logprobs_num"`
+	// LogprobStartLen is where the prompt's logprobs start (with return_logprob);
+	// -1: its last position.
+	LogprobStartLen *int `json:"logprob_start_len"`
 	// TextInLogprobs puts each token's text in the logprob triples.
 	TextInLogprobs bool    `json:"return_text_in_logprobs"`
-	RID            *string `json:"rid"`
+	RID            ridList `json:"rid"`
 	bootstrapFields
 }
 
@@ -29,7 +34,6 @@ var generateExtras = fieldRules{
 	"modalities": {why: "multimodal input"}, "mm_hashes": {why: "multimodal input"},
 	"lora_path": {why: "LoRA adapters"}, "lora_id": {why: "LoRA adapters"},
 	"custom_logit_processor": {why: "custom logit processors"},
-	"logprob_start_len":      {accept: []string{"-1"}, why: "prompt logprobs"},
 	"token_ids_logprob":      {why: "logprobs of given token ids"},
 	"return_hidden_states":   {accept: []string{"false"}}, "return_routed_experts": {accept: []string{"false"}},
 	"return_sampling_mask": {accept: []string{"false"}}, "return_entropy": {accept: []string{"false"}},
@@ -54,6 +58,45 @@ type generateSampling struct {
 	samplingFields
 	MaxNewTokens *int   `json:"max_new_tokens"`
 	SamplingSeed *int64 `json:"sampling_seed"` // SGLang's name for seed
+}
+
+// samplingParams is /generate's sampling_params: an object, or a list of them (one per
+// prompt of a batch).
+type samplingParams struct {
+	generateSampling // the object form
+	list             []generateSampling
+	isList           bool
+}
+
+func (sp *samplingParams) decodeField(p string, raw json.RawMessage) *Error {
+	switch k := jsonKind(raw); k {
+	case "null":
+		return nil
+	case "object":
+		return decodeStruct(p, raw, reflect.ValueOf(&sp.generateSampling).Elem())
+	case "array":
+		elems := elements(raw)
+		sp.list, sp.isList = make([]generateSampling, len(elems)), true
+		for i, el := range elems {
+			if e := decodeStruct(p+"["+strconv.Itoa(i)+"]", el, reflect.ValueOf(&sp.list[i]).Elem()); e != nil {
+				return e
+			}
+		}
+		return nil
+	default:
+		return badRequest(p, "%s: wrong type: expected an object or a list of objects, got JSON %s", p, k)
+	}
+}
+
+// sampling converts g with its field names prefixed (sampling_params. or
+// sampling_params[i].).
+func (g *generateSampling) toSampling(prefix string) sampling {
+	if g.Seed == nil {
+		g.Seed = g.SamplingSeed
+	}
+	s := g.sampling(g.MaxNewTokens, "max_new_tokens")
+	s.prefix = prefix
+	return s
 }
 
 // samplingExtras are the sampling fields of SGLang we do not decode (shared with its
@@ -89,39 +132,65 @@ func decodeGenerate(body []byte) (*spec, *Error) {
 	if g.TopLogprobsNum < 0 || g.TopLogprobsNum > samp.MaxTopLogprobs {
 		return nil, badRequest("top_logprobs_num", "top_logprobs_num must be in [0, %d], got %d", samp.MaxTopLogprobs, g.TopLogprobsNum)
 	}
-	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob, topLogprobs: g.TopLogprobsNum, textInLogprobs: g.TextInLogprobs}
+	sp := &spec{stream: g.Stream, logprobs: g.ReturnLogprob, topLogprobs: g.TopLogprobsNum, textInLogprobs: g.TextInLogprobs,
+		inputLogprobs: g.ReturnLogprob, logprobStart: -1, rids: g.RID, ridField: "rid", n: 1}
+	if v := g.LogprobStartLen; v != nil {
+		if *v < -1 {
+			return nil, badRequest("logprob_start_len", "logprob_start_len must be -1 or a prompt position, got %d", *v)
+		}
+		sp.logprobStart = *v
+	}
 	var e *Error
+	field := "text"
 	if hasText {
-		sp.prompt, e = decodePrompt("text", g.Text, promptText)
+		sp.prompts, sp.batch, e = decodePrompts("text", g.Text, promptText)
 	} else {
-		sp.prompt, e = decodePrompt("input_ids", g.InputIDs, promptIDs)
+		field = "input_ids"
+		sp.prompts, sp.batch, e = decodePrompts("input_ids", g.InputIDs, promptIDs)
 	}
 	if e != nil {
 		return nil, e
 	}
-	if g.RID != nil {
-		sp.rid = *g.RID
-	}
-	if p := g.SamplingParams; p != nil {
-		if p.Seed == nil {
-			p.Seed = p.SamplingSeed
+	nField := "sampling_params.n"
+	if ps := &g.SamplingParams; ps.isList {
+		if !sp.batch || len(ps.list) != len(sp.prompts) {
+			return nil, badRequest("sampling_params", "sampling_params is a list of %d for %d prompts: give one object, or one per prompt of a batch", len(ps.list), len(sp.prompts))
 		}
-		sp.sampling = p.sampling(p.MaxNewTokens, "max_new_tokens")
+		nField = "sampling_params[0].n"
+		for i := range ps.list {
+			prefix := "sampling_params[" + strconv.Itoa(i) + "]."
+			sp.samplings = append(sp.samplings, ps.list[i].toSampling(prefix))
+			n := 1
+			if v := ps.list[i].N; v != nil {
+				n = *v
+			}
+			if i == 0 {
+				sp.n = n
+			} else if n != sp.n {
+				return nil, badRequest(prefix+"n", "%sn is %d, sampling_params[0].n %d: every prompt of a batch gets the same n", prefix, n, sp.n)
+			}
+		}
+	} else {
+		sp.samplings = []sampling{ps.toSampling("sampling_params.")}
+		if v := ps.N; v != nil {
+			sp.n = *v
+		}
 	}
-	sp.sampling.maxName = "max_new_tokens"
-	sp.sampling.prefix = "sampling_params."
 	if sp.boot, e = g.bootstrap(); e != nil {
 		return nil, e
 	}
+	sp.nField, sp.promptField = nField, field
 	return sp, nil
 }
 
 // generateResponse is /generate's answer, and each event of its stream
-// (text and output_ids cumulative).
+// (text and output_ids cumulative). Index is the generation's place in a
+// streamed batch (or n > 1).
 type generateResponse struct {
 	Text      string       `json:"text"`
 	OutputIDs []int        `json:"output_ids"`
 	MetaInfo  generateMeta `json:"meta_info"`
+	Index     *int         `json:"index,omitempty"`
 }
 
 type generateMeta struct {
@@ -135,6 +204,10 @@ type generateMeta struct {
 	// OutputTopLogprobs: per output token, its position's most likely
 	// tokens as [logprob, token id, null] (with top_logprobs_num).
 	OutputTopLogprobs [][][3]any `json:"output_top_logprobs,omitempty"`
+	// InputTokenLogprobs are the prompt's from logprob_start_len (its last
+	// position: [null, id, text], as SGLang gives the first position it returns).
+	InputTokenLogprobs [][3]any `json:"input_token_logprobs,omitempty"`
+	InputTopLogprobs   []any    `json:"input_top_logprobs,omitempty"`
 }
 
 // sglangFinish is SGLang's finish_reason object.
@@ -157,9 +230,8 @@ func sglangFinish(f *engine.Finish, completion int) map[string]any {
 	return out
 }
 
-// generateObject is the answer so far; textInLogprobs puts each token's text in its
-// logprob triples.
-func (rn *run) generateObject(textInLogprobs bool) generateResponse {
+// generateObject is the answer so far.
+func (rn *run) generateObject(sp *spec) generateResponse {
 	ids := rn.ids
 	if ids == nil {
 		ids = []int{}
@@ -176,7 +248,7 @@ func (rn *run) generateObject(textInLogprobs bool) generateResponse {
 	}
 	if rn.req.Logprobs {
 		text := func(id int) any {
-			if textInLogprobs {
+			if sp.textInLogprobs {
 				return rn.s.tokenText(id)
 			}
 			return nil
@@ -194,77 +266,51 @@ func (rn *run) generateObject(textInLogprobs bool) generateResponse {
 				}
 			}
 		}
+		if sp.inputLogprobs && len(rn.req.InputIDs) > 0 {
+			last := rn.req.InputIDs[len(rn.req.InputIDs)-1]
+			m.InputTokenLogprobs = [][3]any{{nil, last, text(last)}}
+			if rn.req.TopLogprobs > 0 {
+				m.InputTopLogprobs = []any{nil}
+			}
+		}
 	}
 	return generateResponse{Text: rn.text.String(), OutputIDs: ids, MetaInfo: m}
 }
 
 func (s *Server) handleGenerate(w http.ResponseWriter, r *http.Request) {
 	rn := s.begin("generate")
-	var err error
-	defer func() { rn.end(err) }()
+	defer func() { rn.end(nil) }()
 	sp, ok := accept(s, w, r, rn, decodeGenerate)
 	if !ok {
 		return
 	}
-	req, maxZero, e := s.build(sp)
-	if e != nil {
-		rn.fail(w, e)
-		return
-	}
-	if e := rn.submit(r.Context(), r.Header, req, sp.boot, maxZero); e != nil {
+	if e := s.submitAll(r, rn, sp); e != nil {
 		rn.fail(w, e)
 		return
 	}
 	if sp.stream {
-		rn.stream(w, func(out *sse, ev engine.Event) { out.event(rn.generateObject(sp.textInLogprobs)) }, nil)
+		rn.streamAll(w, func(out *sse, k int, ev engine.Event) {
+			o := rn.kids[k].generateObject(sp)
+			if !sp.single() {
+				o.Index = &k
+			}
+			out.event(o)
+		}, nil)
 		return
 	}
-	rn.collect()
-	if ferr := rn.failure(); ferr != nil {
-		err = ferr
-		rn.fail(w, asError(ferr))
+	if err := rn.collectAll(); err != nil {
+		rn.fail(w, asError(err))
 		return
 	}
-	writeJSON(w, http.StatusOK, rn.generateObject(sp.textInLogprobs))
-}
-
-// stream is the streaming flow shared by every API. It waits for the first
-// event, so that a request failing before any output gets a plain HTTP
-// error; then it starts the SSE stream and calls emit for every event. A
-// failure after the start sends an error event and no [DONE]; otherwise
-// final (if set) writes its last events and [DONE] ends the stream.
-func (rn *run) stream(w http.ResponseWriter, emit func(out *sse, ev engine.Event), final func(out *sse)) {
-	ev, ok := rn.next()
-	if !ok {
-		rn.fail(w, errorf(http.StatusInternalServerError, "no events"))
+	if sp.single() {
+		writeJSON(w, http.StatusOK, rn.kids[0].generateObject(sp))
 		return
 	}
-	if ev.Finish != nil && rn.failure() != nil && len(rn.ids) == 0 && rn.text.Len() == 0 {
-		rn.fail(w, asError(rn.failure()))
-		return
+	all := make([]generateResponse, len(rn.kids))
+	for k, kid := range rn.kids {
+		all[k] = kid.generateObject(sp)
 	}
-	out := startSSE(w)
-	for {
-		if ev.Finish != nil && rn.failure() != nil {
-			break
-		}
-		emit(out, ev)
-		if ev, ok = rn.next(); !ok {
-			break
-		}
-	}
-	if ferr := rn.failure(); ferr != nil {
-		e := asError(ferr)
-		rn.status = e.Status
-		if e.Status != statusClientClosed {
-			out.fail(e)
-		}
-		return
-	}
-	if final != nil {
-		final(out)
-	}
-	out.done()
+	writeJSON(w, http.StatusOK, all)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

@@ -78,28 +78,67 @@ func (s *Server) generateOne(ctx context.Context) error {
 
 func (s *Server) handleModelInfo(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]any{
-		"model_path":        s.cfg.ModelPath,
-		"served_model_name": s.cfg.ModelName,
-		"is_generation":     true,
-		"random_weights":    s.cfg.RandomWeights,
-		"context_length":    s.cfg.ContextLen,
+		"model_path":                s.cfg.ModelPath,
+		"tokenizer_path":            s.cfg.TokenizerPath,
+		"served_model_name":         s.cfg.ModelName,
+		"is_generation":             true,
+		"preferred_sampling_params": nil,
+		"weight_version":            "default",
+		"has_image_understanding":   false,
+		"has_audio_understanding":   false,
+		"random_weights":            s.cfg.RandomWeights,
+		"context_length":            s.cfg.ContextLen,
 	})
 }
 
-func (s *Server) handleServerInfo(w http.ResponseWriter, r *http.Request) {
-	info := map[string]any{
-		"disaggregation_mode": s.cfg.Mode,
+// serverArgs are the launch settings by SGLang's names, with what the server knows.
+func (s *Server) serverArgs() map[string]any {
+	args := map[string]any{
 		"model_path":          s.cfg.ModelPath,
+		"tokenizer_path":      s.cfg.TokenizerPath,
 		"served_model_name":   s.cfg.ModelName,
+		"disaggregation_mode": s.cfg.Mode,
 		"context_length":      s.cfg.ContextLen,
-		"max_body_bytes":      s.cfg.MaxBodyBytes,
-		"ready":               s.ready(),
+		"page_size":           s.cfg.PageSize,
+		"disable_radix_cache": !s.cfg.PrefixCache,
+		"enable_metrics":      true,
+	}
+	for k, v := range s.cfg.ServerArgs {
+		args[k] = v
+	}
+	return args
+}
+
+// handleServerArgs is SGLang's GET /get_server_args.
+func (s *Server) handleServerArgs(w http.ResponseWriter, r *http.Request) {
+	writeJSON(w, http.StatusOK, s.serverArgs())
+}
+
+// handleServerInfo is SGLang's GET /server_info (and /get_server_info): the server
+// args, the runtime state (internal_states) and the version.
+func (s *Server) handleServerInfo(w http.ResponseWriter, r *http.Request) {
+	info := s.serverArgs()
+	state := map[string]any{
+		"max_body_bytes": s.cfg.MaxBodyBytes,
+		"ready":          s.ready(),
+	}
+	if load, ok := s.cfg.Generator.(LoadReporter); ok {
+		st := load.Stats()
+		state["num_running_reqs"], state["num_queue_reqs"] = st.Running, st.Queued
+		state["kv_pages_total"], state["kv_pages_free"] = st.TotalPages, st.FreePages
 	}
 	if s.cfg.Info != nil {
 		for k, v := range s.cfg.Info() {
+			info[k], state[k] = v, v
+		}
+	}
+	for k, v := range state {
+		if _, ok := info[k]; !ok {
 			info[k] = v
 		}
 	}
+	info["internal_states"] = []map[string]any{state}
+	info["version"] = s.cfg.Version
 	writeJSON(w, http.StatusOK, info)
 }
 

@@ -241,7 +241,7 @@ func TestFieldInventory(t *testing.T) {
 		{"/generate", gen(`"return_hidden_states": true`), "return_hidden_states"},
 		{"/generate", gen(`"custom_logit_processor": "x"`), "custom_logit_processor"},
 		{"/generate", gen(`"input_embeds": [[0.5]]`), "input_embeds"},
-		{"/generate", gen(`"logprob_start_len": 0`), "logprob_start_len"},
+		{"/generate", gen(`"return_logprob": true, "logprob_start_len": 0`), "logprob_start_len"},
 		{"/generate", gen(`"session_params": {"id": "s"}`), "session_params"},
 		{"/v1/completions", cmpl(`"best_of": 2`), "best_of"},
 		{"/v1/completions", cmpl(`"echo": true`), "echo"},
@@ -282,12 +282,12 @@ func TestFieldInventory(t *testing.T) {
 	}
 }
 
-// TestInputIDsTypes: input_ids must be integers (or one list of them); anything else
-// is refused naming input_ids.
+// TestInputIDsTypes: input_ids must be integers (or a batch: a list of lists of them);
+// anything else is refused naming input_ids.
 func TestInputIDsTypes(t *testing.T) {
 	gen := &servertest.Generator{}
 	ts, _ := newServer(t, server.Config{Generator: gen})
-	for _, ids := range []string{`["a"]`, `[1.5]`, `[1, "2"]`, `[[1, "a"]]`, `[["a"]]`, `[true]`, `[null]`, `[{"a": 1}]`, `"1 2"`, `{"0": 1}`, `[[1], [2]]`, `[[[1]]]`, `[1e40]`} {
+	for _, ids := range []string{`["a"]`, `[1.5]`, `[1, "2"]`, `[[1, "a"]]`, `[["a"]]`, `[true]`, `[null]`, `[{"a": 1}]`, `"1 2"`, `{"0": 1}`, `[[[1]]]`, `[[1], ["a"]]`, `[[1], 2]`, `[1e40]`} {
 		status, body := post(t, ts.URL+"/generate", `{"input_ids": `+ids+`}`)
 		if status != 400 || errParam(t, body) != "input_ids" {
 			t.Errorf("input_ids %s: %d %s", ids, status, body)

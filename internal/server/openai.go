@@ -62,7 +62,7 @@ type completionRequest struct {
 	Stream        bool            `json:"stream"`
 	StreamOptions *streamOptions  `json:"stream_options"`
 	Logprobs      *int            `json:"logprobs"`
-	RID           *string         `json:"rid"`
+	RID           ridList         `json:"rid"`
 	samplingFields
 	bootstrapFields
 }
@@ -111,7 +111,7 @@ func decodeCompletion(body []byte) (*openaiSpec, *Error) {
 	if c.Logprobs != nil && (*c.Logprobs < 0 || *c.Logprobs > 20) {
 		return nil, badRequest("logprobs", "logprobs must be in [0, 20], got %d", *c.Logprobs)
 	}
-	p, e := decodePrompt("prompt", c.Prompt, promptText|promptIDs)
+	ps, batch, e := decodePrompts("prompt", c.Prompt, promptText|promptIDs)
 	if e != nil {
 		return nil, e
 	}
@@ -121,21 +121,28 @@ func decodeCompletion(body []byte) (*openaiSpec, *Error) {
 		maxTokens = &d
 	}
 	o := &openaiSpec{model: c.Model}
-	o.prompt = p
+	o.prompts, o.batch = ps, batch
 	o.stream = c.Stream
 	o.includeUsage = c.StreamOptions != nil && c.StreamOptions.IncludeUsage
 	if c.Logprobs != nil {
 		o.logprobs = true
 		o.topLogprobs = *c.Logprobs
 	}
-	if c.RID != nil {
-		o.rid = *c.RID
-	}
-	o.sampling = c.samplingFields.sampling(maxTokens, "max_tokens")
+	o.rids, o.ridField = c.RID, "rid"
+	o.n, o.nField, o.promptField = openaiN(c.N), "n", "prompt"
+	o.samplings = []sampling{c.samplingFields.sampling(maxTokens, "max_tokens")}
 	if o.boot, e = c.bootstrap(); e != nil {
 		return nil, e
 	}
 	return o, nil
+}
+
+// openaiN is OpenAI's n (1 when absent).
+func openaiN(n *int) int {
+	if n == nil {
+		return 1
+	}
+	return *n
 }
 
 // chatRequest is the body of /v1/chat/completions.
@@ -148,7 +155,7 @@ type chatRequest struct {
 	StreamOptions       *streamOptions `json:"stream_options"`
 	Logprobs            bool           `json:"logprobs"`
 	TopLogprobs         *int           `json:"top_logprobs"`
-	RID                 *string        `json:"rid"`
+	RID                 ridList        `json:"rid"`
 	samplingFields
 	bootstrapFields
 }
@@ -285,10 +292,9 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 	if c.TopLogprobs != nil {
 		o.topLogprobs = *c.TopLogprobs
 	}
-	if c.RID != nil {
-		o.rid = *c.RID
-	}
-	o.sampling = c.samplingFields.sampling(maxTokens, maxName)
+	o.rids, o.ridField = c.RID, "rid"
+	o.n, o.nField, o.promptField = openaiN(c.N), "n", "messages"
+	o.samplings = []sampling{c.samplingFields.sampling(maxTokens, maxName)}
 	var e *Error
 	if o.boot, e = c.bootstrap(); e != nil {
 		return nil, e
@@ -309,7 +315,7 @@ func (s *Server) render(c *chatSpec) *Error {
 			addBOS = false
 		}
 	}
-	c.prompt = prompt{text: text, isText: true, addBOS: addBOS, field: "messages"}
+	c.prompts = []prompt{{text: text, isText: true, addBOS: addBOS, field: "messages"}}
 	return nil
 }
 
@@ -410,10 +416,19 @@ type chatResponse struct {
 	Usage   *usage       `json:"usage,omitempty"`
 }
 
-func (rn *run) usage() *usage {
-	p, c := rn.promptTokens(), rn.completionTokens()
-	return &usage{PromptTokens: p, CompletionTokens: c, TotalTokens: p + c,
-		PromptTokensDetails: &promptDetail{CachedTokens: rn.cachedTokens()}}
+// usage is the usage of rn's kids: each prompt's tokens once (its first sample's),
+// every sample's completion.
+func (rn *run) usage(n int) *usage {
+	u := &usage{PromptTokensDetails: &promptDetail{}}
+	for k, kid := range rn.kids {
+		if k%max(n, 1) == 0 {
+			u.PromptTokens += kid.promptTokens()
+			u.PromptTokensDetails.CachedTokens += kid.cachedTokens()
+		}
+		u.CompletionTokens += kid.completionTokens()
+	}
+	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	return u
 }
 
 // openaiFinish is the finish_reason string and matched_stop of a finish.
@@ -486,11 +501,7 @@ func (s *Server) openaiPrepare(r *http.Request, rn *run, o *openaiSpec) *Error {
 		return &Error{Status: http.StatusNotFound, Param: "model",
 			Message: "the model " + jsonQuote(o.model) + " does not exist; this server serves " + jsonQuote(s.cfg.ModelName)}
 	}
-	req, maxZero, e := s.build(&o.spec)
-	if e != nil {
-		return e
-	}
-	return rn.submit(r.Context(), r.Header, req, o.boot, maxZero)
+	return s.submitAll(r, rn, &o.spec)
 }
 
 func (s *Server) modelOf(o *openaiSpec) string {
@@ -511,51 +522,55 @@ func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
 		rn.fail(w, e)
 		return
 	}
-	id, created, model := "cmpl-"+rn.req.ID, time.Now().Unix(), s.modelOf(o)
+	id, created, model := "cmpl-"+rn.kids[0].req.ID, time.Now().Unix(), s.modelOf(o)
 	chunk := func(choices []completionChoice) completionResponse {
 		return completionResponse{ID: id, Object: "text_completion", Created: created, Model: model, Choices: choices}
 	}
 	if o.stream {
-		sent, offset := 0, 0 // tokens and bytes of text already sent
-		sentText := 0
-		emit := func(out *sse, ev engine.Event) {
-			text := rn.text.String()[sentText:]
+		// Per choice: tokens and bytes of text already sent, and the text's offset.
+		sent, sentText, offset := make([]int, len(rn.kids)), make([]int, len(rn.kids)), make([]int, len(rn.kids))
+		emit := func(out *sse, k int, ev engine.Event) {
+			kid := rn.kids[k]
+			text := kid.text.String()[sentText[k]:]
 			if text == "" && ev.Finish == nil && !o.logprobs {
 				return
 			}
-			ch := completionChoice{Text: text}
+			ch := completionChoice{Index: k, Text: text}
 			if o.logprobs {
-				ch.Logprobs = rn.completionLogprobs(sent, len(rn.ids), offset, o.topLogprobs)
+				ch.Logprobs = kid.completionLogprobs(sent[k], len(kid.ids), offset[k], o.topLogprobs)
 				for _, t := range ch.Logprobs.Tokens {
-					offset += len(t)
+					offset[k] += len(t)
 				}
 			}
 			ch.FinishReason, ch.MatchedStop = openaiFinish(ev.Finish)
-			sent, sentText = len(rn.ids), rn.text.Len()
+			sent[k], sentText[k] = len(kid.ids), kid.text.Len()
 			out.event(chunk([]completionChoice{ch}))
 		}
 		final := func(out *sse) {
 			if o.includeUsage {
 				c := chunk([]completionChoice{})
-				c.Usage = rn.usage()
+				c.Usage = rn.usage(o.n)
 				out.event(c)
 			}
 		}
-		rn.stream(w, emit, final)
+		rn.streamAll(w, emit, final)
 		return
 	}
-	rn.collect()
-	if ferr := rn.failure(); ferr != nil {
-		rn.fail(w, asError(ferr))
+	if err := rn.collectAll(); err != nil {
+		rn.fail(w, asError(err))
 		return
 	}
-	ch := completionChoice{Text: rn.text.String()}
-	ch.FinishReason, ch.MatchedStop = openaiFinish(rn.finish)
-	if o.logprobs {
-		ch.Logprobs = rn.completionLogprobs(0, len(rn.ids), 0, o.topLogprobs)
+	choices := make([]completionChoice, len(rn.kids))
+	for k, kid := range rn.kids {
+		ch := completionChoice{Index: k, Text: kid.text.String()}
+		ch.FinishReason, ch.MatchedStop = openaiFinish(kid.finish)
+		if o.logprobs {
+			ch.Logprobs = kid.completionLogprobs(0, len(kid.ids), 0, o.topLogprobs)
+		}
+		choices[k] = ch
 	}
-	resp := chunk([]completionChoice{ch})
-	resp.Usage = rn.usage()
+	resp := chunk(choices)
+	resp.Usage = rn.usage(o.n)
 	writeJSON(w, http.StatusOK, resp)
 }
 
@@ -574,53 +589,57 @@ func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
 		rn.fail(w, e)
 		return
 	}
-	id, created, model := "chatcmpl-"+rn.req.ID, time.Now().Unix(), s.modelOf(&c.openaiSpec)
+	id, created, model := "chatcmpl-"+rn.kids[0].req.ID, time.Now().Unix(), s.modelOf(&c.openaiSpec)
 	chunk := func(ch chatChoice) chatResponse {
 		return chatResponse{ID: id, Object: "chat.completion.chunk", Created: created, Model: model, Choices: []chatChoice{ch}}
 	}
 	if c.stream {
-		started, sent, sentText := false, 0, 0
-		emit := func(out *sse, ev engine.Event) {
-			if !started {
-				started = true
+		started, sent, sentText := make([]bool, len(rn.kids)), make([]int, len(rn.kids)), make([]int, len(rn.kids))
+		emit := func(out *sse, k int, ev engine.Event) {
+			kid := rn.kids[k]
+			if !started[k] {
+				started[k] = true
 				empty := ""
-				out.event(chunk(chatChoice{Delta: &chatDelta{Role: "assistant", Content: &empty}}))
+				out.event(chunk(chatChoice{Index: k, Delta: &chatDelta{Role: "assistant", Content: &empty}}))
 			}
-			text := rn.text.String()[sentText:]
-			if text != "" || (c.logprobs && len(rn.ids) > sent) {
-				ch := chatChoice{Delta: &chatDelta{Content: &text}}
+			text := kid.text.String()[sentText[k]:]
+			if text != "" || (c.logprobs && len(kid.ids) > sent[k]) {
+				ch := chatChoice{Index: k, Delta: &chatDelta{Content: &text}}
 				if c.logprobs {
-					ch.Logprobs = rn.chatLogprobs(sent, len(rn.ids))
+					ch.Logprobs = kid.chatLogprobs(sent[k], len(kid.ids))
 				}
-				sent, sentText = len(rn.ids), rn.text.Len()
+				sent[k], sentText[k] = len(kid.ids), kid.text.Len()
 				out.event(chunk(ch))
 			}
 			if ev.Finish != nil {
-				ch := chatChoice{Delta: &chatDelta{}}
+				ch := chatChoice{Index: k, Delta: &chatDelta{}}
 				ch.FinishReason, ch.MatchedStop = openaiFinish(ev.Finish)
 				out.event(chunk(ch))
 			}
 		}
 		final := func(out *sse) {
 			if c.includeUsage {
-				u := chatResponse{ID: id, Object: "chat.completion.chunk", Created: created, Model: model, Choices: []chatChoice{}, Usage: rn.usage()}
+				u := chatResponse{ID: id, Object: "chat.completion.chunk", Created: created, Model: model, Choices: []chatChoice{}, Usage: rn.usage(c.n)}
 				out.event(u)
 			}
 		}
-		rn.stream(w, emit, final)
+		rn.streamAll(w, emit, final)
 		return
 	}
-	rn.collect()
-	if ferr := rn.failure(); ferr != nil {
-		rn.fail(w, asError(ferr))
+	if err := rn.collectAll(); err != nil {
+		rn.fail(w, asError(err))
 		return
 	}
-	ch := chatChoice{Message: &chatMessageOut{Role: "assistant", Content: rn.text.String()}}
-	ch.FinishReason, ch.MatchedStop = openaiFinish(rn.finish)
-	if c.logprobs {
-		ch.Logprobs = rn.chatLogprobs(0, len(rn.ids))
+	choices := make([]chatChoice, len(rn.kids))
+	for k, kid := range rn.kids {
+		ch := chatChoice{Index: k, Message: &chatMessageOut{Role: "assistant", Content: kid.text.String()}}
+		ch.FinishReason, ch.MatchedStop = openaiFinish(kid.finish)
+		if c.logprobs {
+			ch.Logprobs = kid.chatLogprobs(0, len(kid.ids))
+		}
+		choices[k] = ch
 	}
-	resp := chatResponse{ID: id, Object: "chat.completion", Created: created, Model: model, Choices: []chatChoice{ch}, Usage: rn.usage()}
+	resp := chatResponse{ID: id, Object: "chat.completion", Created: created, Model: model, Choices: choices, Usage: rn.usage(c.n)}
 	writeJSON(w, http.StatusOK, resp)
 }
 

@@ -21,7 +21,9 @@ import (
 var errNoFinish = errors.New("server: generator closed the stream without a finish event")
 
 // run is one request on the Generator: it accumulates the output, measures
-// latencies and logs the request when it ends.
+// latencies and logs the request when it ends. The run of an HTTP request whose
+// body asks for several generations (a batch, or n > 1) is the parent of one run per
+// generation (its kids); the kids are logged and measured, the parent answers.
 type run struct {
 	s        *Server
 	endpoint string
@@ -30,13 +32,20 @@ type run struct {
 	events   <-chan engine.Event
 	closed   bool
 
+	parent *run
+	kids   []*run
+	cancel context.CancelFunc      // parent of kids: aborts them all
+	abort  context.CancelCauseFunc // kid: aborts it (/abort_request); called at its end
+
 	text     strings.Builder
 	ids      []int
 	logprobs []float32
 	tops     [][]samp.TopLogprob
 	finish   *engine.Finish
-	status   int // logged
-	logged   bool
+	// first and last are the times of the first and the latest output token.
+	first, last time.Time
+	status      int // logged
+	logged      bool
 }
 
 // newID returns a random request id with a prefix.
@@ -50,6 +59,13 @@ func newID(prefix string) string {
 func (s *Server) begin(endpoint string) *run {
 	s.metrics.inflight.Inc()
 	return &run{s: s, endpoint: endpoint, start: time.Now(), status: http.StatusOK}
+}
+
+// fork adds a kid: one generation of rn's request.
+func (rn *run) fork() *run {
+	k := &run{s: rn.s, endpoint: rn.endpoint, start: rn.start, status: http.StatusOK, parent: rn}
+	rn.kids = append(rn.kids, k)
+	return k
 }
 
 // submit prepares disaggregation and submits req. maxZero requests finish at
@@ -98,18 +114,34 @@ func (rn *run) next() (ev engine.Event, ok bool) {
 		return engine.Event{}, false
 	}
 	ev, ok = <-rn.events
+	return rn.apply(ev, ok)
+}
+
+// apply accumulates an event read from the run's channel (ok false: the channel
+// closed); it returns what next returns.
+func (rn *run) apply(ev engine.Event, ok bool) (engine.Event, bool) {
 	if !ok {
 		rn.closed = true
+		if rn.finish != nil {
+			return engine.Event{}, false
+		}
 		ev = engine.Event{Token: -1, Finish: &engine.Finish{Type: "abort", Err: errNoFinish}}
+	}
+	if rn.finish != nil {
+		return engine.Event{}, false
 	}
 	now := time.Now()
 	if ev.Token >= 0 {
 		if len(rn.ids) == 0 {
-			rn.s.metrics.ttft.Observe(now.Sub(rn.start).Seconds())
+			rn.first = now
+			rn.s.metrics.firstToken(now.Sub(rn.start))
 			if rn.s.lg.Core().Enabled(zap.DebugLevel) {
 				rn.s.lg.Debug("first token", zap.String("rid", rn.req.ID), zap.Uint64("room", rn.req.Room), zap.Duration("ttft", now.Sub(rn.start)))
 			}
+		} else {
+			rn.s.metrics.nextToken(now.Sub(rn.last))
 		}
+		rn.last = now
 		rn.ids = append(rn.ids, ev.Token)
 		rn.logprobs = append(rn.logprobs, ev.Logprob)
 		rn.tops = append(rn.tops, ev.Top)
@@ -118,7 +150,7 @@ func (rn *run) next() (ev engine.Event, ok bool) {
 	if ev.Finish != nil {
 		rn.finish = ev.Finish
 		if len(rn.ids) > 0 {
-			rn.s.metrics.e2e.Observe(now.Sub(rn.start).Seconds())
+			rn.s.metrics.lastToken(rn, now)
 		}
 	}
 	return ev, true
@@ -145,8 +177,10 @@ func (rn *run) drain() {
 }
 
 // failure is the error that aborted the run, if any.
+// A request ended by /abort_request did not fail: it is answered with what it
+// generated.
 func (rn *run) failure() error {
-	if rn.finish != nil && rn.finish.Type == "abort" {
+	if rn.finish != nil && rn.finish.Type == "abort" && !errors.Is(rn.finish.Err, ErrAbortRequested) {
 		return rn.finish.Err
 	}
 	return nil
@@ -178,15 +212,38 @@ func (rn *run) completionTokens() int {
 	return len(rn.ids)
 }
 
-// end drains the channel and logs the request: one line per request.
+// end drains the channel and logs the request: one line per generation. A
+// parent ends its kids (with its status where theirs is still 200).
 func (rn *run) end(err error) {
+	if rn.parent == nil {
+		rn.s.metrics.inflight.Dec()
+		if !rn.logged {
+			rn.s.metrics.done(rn.endpoint, rn.status)
+		}
+	}
+	if len(rn.kids) > 0 {
+		if rn.cancel != nil {
+			defer rn.cancel()
+		}
+		rn.logged = true
+		for _, k := range rn.kids {
+			if k.status == http.StatusOK {
+				k.status = rn.status
+			}
+			k.end(err)
+		}
+		return
+	}
 	rn.drain()
-	rn.s.metrics.inflight.Dec()
+	if rn.abort != nil {
+		rn.s.live.remove(rn.req.ID, rn)
+		rn.abort(nil)
+	}
 	if rn.logged {
 		return
 	}
 	rn.logged = true
-	rn.s.metrics.done(rn.endpoint, rn.status)
+	rn.s.metrics.finished(rn)
 	fields := []zap.Field{
 		zap.String("endpoint", rn.endpoint),
 		zap.Int("status", rn.status),

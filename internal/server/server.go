@@ -9,6 +9,7 @@ package server
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"net"
@@ -133,6 +134,27 @@ type Config struct {
 	// Vouchers says which requests a prefill or decode server serves: by
 	// default those of the load balancer, with its voucher.
 	Vouchers VoucherPolicy
+
+	// PrefixCache says the Generator caches finished requests' KV: a prompt
+	// asked for n > 1 times is then computed once first, so that its samples
+	// share its pages.
+	PrefixCache bool
+	// MaxBatch bounds the generations of one request (prompts times n); 0:
+	// DefaultMaxBatch.
+	MaxBatch int
+	// PageSize is the KV page size in tokens, for the token gauges
+	// (sglang:num_used_tokens); 0 counts pages.
+	PageSize int
+	// TokenizerPath is reported by /get_model_info.
+	TokenizerPath string
+	// ServerArgs are the launch settings by SGLang's names (model_path,
+	// tp_size, ...), answered by /get_server_args and in /server_info.
+	ServerArgs map[string]any
+	// Version is the build's version, reported by /server_info.
+	Version string
+	// APIKey, when set, is required as "Authorization: Bearer KEY" on every
+	// endpoint but /health, /health_generate and /metrics (SGLang's --api-key).
+	APIKey string
 }
 
 // Validate reports a configuration the server cannot run with.
@@ -160,6 +182,9 @@ func (c *Config) Validate() error {
 	if c.ReadTimeout < 0 {
 		return fmt.Errorf("server: negative ReadTimeout %v", c.ReadTimeout)
 	}
+	if c.MaxBatch < 0 || c.PageSize < 0 {
+		return fmt.Errorf("server: negative MaxBatch %d or PageSize %d", c.MaxBatch, c.PageSize)
+	}
 	return nil
 }
 
@@ -168,10 +193,12 @@ type Server struct {
 	cfg     Config
 	lg      *zap.Logger
 	mux     *http.ServeMux
+	handler http.Handler // mux behind the API key check
 	metrics *metrics
 	created int64 // unix seconds, reported as the model's "created"
 
 	vouchers *voucher.Checker // nil: not checked
+	live     live             // generations running, for /abort_request
 }
 
 // New checks cfg, fills in its defaults and registers the server's metrics.
@@ -200,11 +227,14 @@ func New(cfg Config) (*Server, error) {
 	if cfg.ChatTemplate == nil {
 		cfg.ChatTemplate = defaultChatTemplate(cfg.Tokenizer)
 	}
+	if cfg.MaxBatch == 0 {
+		cfg.MaxBatch = DefaultMaxBatch
+	}
 	lg := cfg.Logger
 	if lg == nil {
 		lg = zap.NewNop()
 	}
-	m, err := newMetrics(cfg.Registerer)
+	m, err := newMetrics(&cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -216,11 +246,31 @@ func New(cfg Config) (*Server, error) {
 	}
 	s.vouchers = newVoucherChecker(&s.cfg, s.lg)
 	s.routes()
+	s.handler = s.withAPIKey(s.mux)
 	return s, nil
 }
 
 // Handler returns the HTTP handler of every endpoint.
-func (s *Server) Handler() http.Handler { return s.mux }
+func (s *Server) Handler() http.Handler { return s.handler }
+
+// keyFree are the paths served without Config.APIKey.
+var keyFree = map[string]bool{"/health": true, "/health_generate": true, "/metrics": true}
+
+// withAPIKey requires Config.APIKey's bearer token, compared in constant time.
+func (s *Server) withAPIKey(next http.Handler) http.Handler {
+	if s.cfg.APIKey == "" {
+		return next
+	}
+	want := []byte("Bearer " + s.cfg.APIKey)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if !keyFree[r.URL.Path] && subtle.ConstantTimeCompare([]byte(r.Header.Get("Authorization")), want) != 1 {
+			w.Header().Set("WWW-Authenticate", "Bearer")
+			writeError(w, &Error{Status: http.StatusUnauthorized, Message: "this server needs its API key: send \"Authorization: Bearer KEY\""})
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}
 
 // Serve serves HTTP on ln until ctx ends, then shuts down gracefully: it stops
 // accepting, waits up to Config.ShutdownTimeout for requests in flight, then
@@ -232,7 +282,7 @@ func (s *Server) Handler() http.Handler { return s.mux }
 // may take longer (TestReadTimeout).
 func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	hs := &http.Server{
-		Handler:           s.mux,
+		Handler:           s.handler,
 		ReadHeaderTimeout: min(headerTimeout, s.cfg.ReadTimeout),
 		ReadTimeout:       s.cfg.ReadTimeout,
 		IdleTimeout:       2 * time.Minute,
@@ -283,6 +333,13 @@ func (s *Server) routes() {
 	handle(http.MethodGet, "/health_generate", s.handleHealthGenerate)
 	handle(http.MethodGet, "/get_model_info", s.handleModelInfo)
 	handle(http.MethodGet, "/get_server_info", s.handleServerInfo)
+	handle(http.MethodGet, "/server_info", s.handleServerInfo)
+	handle(http.MethodGet, "/get_server_args", s.handleServerArgs)
+	handle(http.MethodPost, "/tokenize", s.handleTokenize)
+	handle(http.MethodPost, "/v1/tokenize", s.handleTokenize)
+	handle(http.MethodPost, "/detokenize", s.handleDetokenize)
+	handle(http.MethodPost, "/v1/detokenize", s.handleDetokenize)
+	handle(http.MethodPost, "/abort_request", s.handleAbort)
 	handle(http.MethodGet, "/metrics", s.handleMetrics)
 	handle(http.MethodPost, "/flush_cache", s.handleFlushCache)
 	if s.cfg.Profiling {

@@ -148,10 +148,23 @@ func TestBadInput(t *testing.T) {
 		{"completions/no-prompt", "POST", "/v1/completions", `{"model": "test-model"}`, 400, "required"},
 		{"completions/empty-ids", "POST", "/v1/completions", `{"prompt": []}`, 400, "empty"},
 		{"chat/no-messages", "POST", "/v1/chat/completions", `{"messages": []}`, 400, "empty"},
-		// batches
-		{"generate/batch-text", "POST", "/generate", `{"text": ["a", "b"]}`, 400, "batches are not supported"},
-		{"generate/batch-ids", "POST", "/generate", `{"input_ids": [[1], [2]]}`, 400, "batches are not supported"},
-		{"completions/batch", "POST", "/v1/completions", `{"prompt": ["a", "b"]}`, 400, "batches are not supported"},
+		// batches and n
+		{"generate/batch-mixed", "POST", "/generate", `{"text": ["a", 5]}`, 400, "text[1]"},
+		{"generate/batch-empty-element", "POST", "/generate", `{"text": ["a", ""]}`, 400, "empty"},
+		{"generate/batch-ids-mixed", "POST", "/generate", `{"input_ids": [[1], [2, "x"]]}`, 400, "input_ids[1][1]"},
+		{"generate/batch-sampling-count", "POST", "/generate", `{"text": ["a", "b"], "sampling_params": [{}]}`, 400, "one per prompt"},
+		{"generate/batch-sampling-single", "POST", "/generate", `{"text": "a", "sampling_params": [{}]}`, 400, "sampling_params"},
+		{"generate/batch-n-differs", "POST", "/generate", `{"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]}`, 400, "sampling_params[1].n"},
+		{"generate/batch-rid-count", "POST", "/generate", `{"text": ["a", "b"], "rid": ["x"]}`, 400, "rid"},
+		{"generate/rid-list-single", "POST", "/generate", `{"text": "a", "rid": ["x"]}`, 400, "rid"},
+		{"generate/batch-too-big", "POST", "/generate", `{"text": ["a", "b", "c"], "sampling_params": {"n": 100}}`, 400, "more than this server takes"},
+		{"completions/batch-mixed", "POST", "/v1/completions", `{"prompt": ["a", [1]]}`, 400, "prompt[1]"},
+		{"completions/n-zero", "POST", "/v1/completions", `{"prompt": "a", "n": 0}`, 400, "n must be in [1, 128]"},
+		{"chat/n-big", "POST", "/v1/chat/completions", `{"messages": [{"role": "user", "content": "a"}], "n": 129}`, 400, "n must be in [1, 128]"},
+		{"generate/n-negative", "POST", "/generate", `{"text": "a", "sampling_params": {"n": -1}}`, 400, "sampling_params.n"},
+		{"generate/logprob-start-negative", "POST", "/generate", `{"text": "a", "return_logprob": true, "logprob_start_len": -2}`, 400, "logprob_start_len"},
+		{"generate/logprob-start-prompt", "POST", "/generate", `{"text": "abc", "return_logprob": true, "logprob_start_len": 1}`, 400, "last position only"},
+		{"generate/logprob-start-beyond", "POST", "/generate", `{"text": "abc", "return_logprob": true, "logprob_start_len": 4}`, 400, "not below the prompt"},
 		// prompt beyond the context length, tokens outside the vocabulary
 		{"generate/too-long", "POST", "/generate", `{"text": "` + long + `"}`, 400, "context length"},
 		{"generate/too-long-ids", "POST", "/generate", `{"input_ids": [` + strings.Repeat("1,", 63) + `1]}`, 400, "context length"},
@@ -175,9 +188,6 @@ func TestBadInput(t *testing.T) {
 		{"generate/repetition-zero", "POST", "/generate", `{"text": "a", "sampling_params": {"repetition_penalty": 0}}`, 400, "repetition_penalty"},
 		{"generate/repetition-big", "POST", "/generate", `{"text": "a", "sampling_params": {"repetition_penalty": 2.5}}`, 400, "repetition_penalty"},
 		{"completions/repetition", "POST", "/v1/completions", `{"prompt": "a", "repetition_penalty": -1}`, 400, "repetition_penalty"},
-		{"completions/n", "POST", "/v1/completions", `{"prompt": "a", "n": 2}`, 400, "n=2"},
-		{"chat/n", "POST", "/v1/chat/completions", `{"messages": [{"role": "user", "content": "a"}], "n": 3}`, 400, "n=3"},
-		{"generate/n", "POST", "/generate", `{"text": "a", "sampling_params": {"n": 2}}`, 400, "n=2"},
 		{"completions/best-of", "POST", "/v1/completions", `{"prompt": "a", "best_of": 2}`, 400, "best_of"},
 		{"completions/echo", "POST", "/v1/completions", `{"prompt": "a", "echo": true}`, 400, "echo"},
 		{"chat/tools", "POST", "/v1/chat/completions", `{"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}`, 400, "tools"},
@@ -326,8 +336,8 @@ func TestGenerate(t *testing.T) {
 	if g.MetaInfo.OutputTokenLogprobs != nil {
 		t.Fatalf("logprobs not asked for: %s", body)
 	}
-	// A one-element batch is one prompt.
-	if status, body := post(t, ts.URL+"/generate", `{"text": ["Hi"], "sampling_params": {"max_new_tokens": 1}}`); status != 200 {
+	// A one-element batch is a batch: answered with a list, as SGLang does.
+	if status, body := post(t, ts.URL+"/generate", `{"text": ["Hi"], "sampling_params": {"max_new_tokens": 1}}`); status != 200 || body[0] != '[' {
 		t.Fatalf("status %d: %s", status, body)
 	}
 	// max_new_tokens 0 answers without the engine.

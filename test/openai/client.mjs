@@ -92,9 +92,21 @@ await assert.rejects(
   (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && /no-such-model/.test(e.message),
 );
 await assert.rejects(
-  client.completions.create({ model, prompt: 'x', n: 2 }),
-  (e) => e instanceof OpenAI.BadRequestError && e.status === 400,
+  client.completions.create({ model, prompt: 'x', n: 129 }),
+  (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'n',
 );
+
+// n > 1: choices indexed 0..n-1; a list of prompts: a choice per prompt (NO_N skips it:
+// through the LB, n > 1 waits for the LB to send it whole to one pair)
+if (!process.env.NO_N) {
+  const n2 = await client.completions.create({ model, prompt: 'Once upon a time', max_tokens: 4, n: 2 });
+  assert.deepEqual(n2.choices.map((ch) => ch.index), [0, 1]);
+  const batch = await client.completions.create({ model, prompt: ['Once upon a time', 'The cat'], max_tokens: 4, temperature: 0 });
+  assert.equal(batch.choices.length, 2);
+  const chat2 = await client.chat.completions.create({ model, messages: [{ role: 'user', content: 'hi' }], max_tokens: 4, n: 2 });
+  assert.deepEqual(chat2.choices.map((ch) => ch.index), [0, 1]);
+  results.nChoices = true;
+}
 await assert.rejects(
   client.chat.completions.create({ model, messages: [] }),
   (e) => e instanceof OpenAI.BadRequestError && e.status === 400,

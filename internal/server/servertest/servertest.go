@@ -137,7 +137,7 @@ func (g *Generator) Submit(ctx context.Context, r *engine.Request) (<-chan engin
 			g.mu.Lock()
 			g.aborted++
 			g.mu.Unlock()
-			ch <- engine.Event{Token: -1, Finish: &engine.Finish{Type: "abort", Err: ctx.Err(), PromptTokens: len(r.InputIDs)}}
+			ch <- engine.Event{Token: -1, Finish: &engine.Finish{Type: "abort", Err: context.Cause(ctx), PromptTokens: len(r.InputIDs)}}
 		}
 		if g.Hold != nil {
 			select {
