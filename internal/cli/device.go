@@ -101,7 +101,7 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	}
 	be, err := cudabe.New(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
 		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,
-		RandomWeights: m.W == nil, Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()})
+		RandomWeights: !m.HasWeights(), Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()})
 	if err != nil {
 		return nil, fmt.Errorf("--device cuda (GPU %d): %w", f.baseGPU, err)
 	}

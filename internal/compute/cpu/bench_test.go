@@ -11,16 +11,16 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
-// weightBytes is the float32 bytes one decode step reads: every layer, the
-// final norm and the classifier (the embedding lookup reads one row).
+// weightBytes is the bytes one decode step of a dense model reads: every
+// tensor but the embedding (whose lookup reads one row), in its dtype.
 func weightBytes(m *model.Model) int64 {
-	n := int64(len(m.W.Norm) + len(m.W.LMHead))
-	for _, l := range m.W.Layers {
-		for _, t := range [][]float32{l.AttnNorm, l.WQ, l.WK, l.WV, l.WO, l.BQ, l.BK, l.BV, l.FFNNorm, l.W1, l.W2, l.W3} {
-			n += int64(len(t))
+	var n int64
+	for _, t := range m.Tensors() {
+		if t != m.Embed || m.LMHead == m.Embed {
+			n += int64(len(t.Data))
 		}
 	}
-	return 4 * n
+	return n
 }
 
 // memcpyBandwidth measures copy bandwidth (bytes copied per second) on one
