@@ -87,6 +87,29 @@ func (m *Model) check() error {
 	return nil
 }
 
+// AsFloat32 returns a model with m's configuration and weights as F32
+// tensors: views of m's F32 tensors, widened copies of the others (exact).
+// It shares m's mappings: close m, not the copy.
+func (m *Model) AsFloat32() (*Model, error) {
+	c := m.Config
+	if c.Spec == nil || len(m.Layers) != c.Layers {
+		return nil, fmt.Errorf("model: no architecture or layers")
+	}
+	out := &Model{Config: c, Layers: make([]LayerTensors, c.Layers), Path: m.Path, Random: m.Random}
+	out.Config.DType = "float32"
+	for _, ts := range c.Spec.Tensors(&c, F32) {
+		t := *m.slot(&ts)
+		if t == nil {
+			return nil, fmt.Errorf("model: tensor %s missing", ts.Name)
+		}
+		*out.slot(&ts) = f32Tensor(t.Name, t.Shape, t.ToF32())
+	}
+	if err := out.check(); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // Weights are a dense model's tensors as float32 host slices, row-major
 // [out][in] as HF stores them: the form the CUDA backend still uploads from
 // (Model.Float32Weights makes it). Projections map Dim to Heads*HeadDim (q),
