@@ -141,7 +141,10 @@ var ErrNoFloat32Weights = errors.New("model: no float32 Weights for this archite
 // Float32Weights returns m's weights as float32 slices: views of F32
 // tensors, converted copies of the others. Only architectures made of the
 // Llama blocks (with q/k/v biases, without q/k norms, experts or a sliding
-// window) have this form; for the others it is ErrNoFloat32Weights.
+// window) have this form; for the others it is ErrNoFloat32Weights. The
+// mapped pages of each converted tensor leave the resident set once it is
+// copied (they stay in the page cache, and are read again if used), so the
+// peak is the copies' size, not the copies' and the file's.
 func (m *Model) Float32Weights() (*Weights, error) {
 	c := &m.Config
 	if !m.HasWeights() {
@@ -154,7 +157,11 @@ func (m *Model) Float32Weights() (*Weights, error) {
 		if t == nil {
 			return nil
 		}
-		return t.ToF32()
+		v := t.ToF32()
+		if t.DType != F32 && m.maps != nil {
+			dropResident(t.Data)
+		}
+		return v
 	}
 	w := &Weights{Embed: f(m.Embed), Norm: f(m.Norm), Layers: make([]Layer, len(m.Layers))}
 	for i, l := range m.Layers {

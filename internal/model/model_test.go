@@ -1,6 +1,7 @@
 package model
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -224,6 +225,49 @@ func TestParseHFConfig(t *testing.T) {
 		}
 		if tc.ok && !tc.check(c) {
 			t.Errorf("%s: %+v", tc.name, c)
+		}
+	}
+}
+
+// TestFloat32Weights: the float32 form of a bf16 model holds its widened
+// weights (the tied classifier once), and architectures it cannot hold are
+// refused.
+func TestFloat32Weights(t *testing.T) {
+	dir := t.TempDir()
+	if err := WriteRandom("tiny-qwen2", dir, 2, ""); err != nil {
+		t.Fatal(err)
+	}
+	m, err := Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	w, err := m.Float32Weights()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, _ := NewRandom("tiny-qwen2", 2)
+	rw := ref.Layers[1].V.F32()
+	for i, v := range w.Layers[1].WV {
+		if v != RoundTo(BF16, rw[i]) {
+			t.Fatalf("WV[%d] = %v, want %v", i, v, RoundTo(BF16, rw[i]))
+		}
+	}
+	if &w.LMHead[0] != &w.Embed[0] || len(w.Layers[0].BQ) != m.Config.Heads*m.Config.HeadDim {
+		t.Fatal("tied classifier or q bias wrong")
+	}
+	// Read again after the pages were dropped: the mapping still reads.
+	if got := m.Layers[1].V.ToF32(); got[7] != w.Layers[1].WV[7] {
+		t.Fatal("mapping unreadable after Float32Weights")
+	}
+	back, err := FromWeights(m.Config, w)
+	if err != nil || back.Layers[1].V.F32()[3] != w.Layers[1].WV[3] {
+		t.Fatalf("FromWeights: %v", err)
+	}
+	for _, name := range []string{"tiny-qwen3", "tiny-mixtral"} {
+		q, _ := NewRandom(name, 1)
+		if _, err := q.Float32Weights(); !errors.Is(err, ErrNoFloat32Weights) {
+			t.Errorf("%s: %v", name, err)
 		}
 	}
 }

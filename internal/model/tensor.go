@@ -106,10 +106,22 @@ func (t *Tensor) ReadF32(dst []float32, off int) {
 			dst[i] = math.Float32frombits(binary.NativeEndian.Uint32(b[4*i:]))
 		}
 	case BF16:
+		if u := t.U16(); u != nil {
+			for i, h := range u[off : off+len(dst)] {
+				dst[i] = math.Float32frombits(uint32(h) << 16)
+			}
+			return
+		}
 		for i := range dst {
 			dst[i] = math.Float32frombits(uint32(binary.NativeEndian.Uint16(b[2*i:])) << 16)
 		}
 	case F16:
+		if u := t.U16(); u != nil {
+			for i, h := range u[off : off+len(dst)] {
+				dst[i] = f16ToF32(h)
+			}
+			return
+		}
 		for i := range dst {
 			dst[i] = f16ToF32(binary.NativeEndian.Uint16(b[2*i:]))
 		}
@@ -123,7 +135,7 @@ func (t *Tensor) ToF32() []float32 {
 		return f
 	}
 	out := make([]float32, t.Numel())
-	t.ReadF32(out, 0)
+	parallelChunks(int64(len(out)), func(off, n int64) { t.ReadF32(out[off:off+n], int(off)) })
 	return out
 }
 

@@ -15,6 +15,7 @@ type matJob struct {
 	n     int
 	work  int // multiply-adds
 	parts int
+	_     [64]byte // threads' jobs sit side by side: keep them off each other's cache lines
 }
 
 type mat struct {
