@@ -197,9 +197,9 @@ func (r *Registry) LoadHF(dir string) (*Model, error) {
 		return nil, err
 	}
 	m := &Model{Path: dir}
-	ok := false
+	loaded := false
 	defer func() {
-		if !ok {
+		if !loaded {
 			m.Close()
 		}
 	}()
@@ -226,8 +226,8 @@ func (r *Registry) LoadHF(dir string) (*Model, error) {
 	specs := c.Spec.Tensors(&c, dt)
 	for i := range specs {
 		s := &specs[i]
-		f, ok := where[s.Name]
-		if !ok {
+		f, found := where[s.Name]
+		if !found {
 			return nil, fmt.Errorf("model: %s: tensor %s missing", dir, s.Name)
 		}
 		t := f.tensors[s.Name]
@@ -248,7 +248,7 @@ func (r *Registry) LoadHF(dir string) (*Model, error) {
 		m.LMHead = m.Embed
 	}
 	prefault(m.maps, "loading "+filepath.Base(dir))
-	ok = true
+	loaded = true
 	return m, nil
 }
 
