@@ -27,6 +27,7 @@ type hfConfig struct {
 	RMSNormEps     *float64        `json:"rms_norm_eps"`
 	Tie            *bool           `json:"tie_word_embeddings"`
 	AttentionBias  bool            `json:"attention_bias"`
+	MLPBias        bool            `json:"mlp_bias"`
 	BOS            json.RawMessage `json:"bos_token_id"`
 	EOS            json.RawMessage `json:"eos_token_id"`
 	TorchDType     string          `json:"torch_dtype"`
@@ -94,6 +95,9 @@ func (r *Registry) ParseHFConfig(b []byte) (Config, error) {
 	}
 	if h.Tie != nil {
 		c.TiedEmbedding = *h.Tie
+	}
+	if h.MLPBias {
+		return Config{}, fmt.Errorf("model: mlp_bias not supported for %s", spec.Name)
 	}
 	if h.AttentionBias && !spec.Attention.QKVBias {
 		return Config{}, fmt.Errorf("model: attention_bias (with an o_proj bias) not supported for %s", spec.Name)
