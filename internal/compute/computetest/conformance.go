@@ -32,6 +32,7 @@ type options struct {
 	ref    NewFunc
 	tol    map[model.DType]float64
 	dtypes []model.DType
+	skip   func(model.Config) string
 }
 
 // WithReference compares the backend under test against ref (the CPU
@@ -46,6 +47,10 @@ func WithTolerance(dt model.DType, rel float64) Option { return func(o *options)
 
 // WithDTypes sets the stored weight dtypes to run (default F32, BF16, F16).
 func WithDTypes(dts ...model.DType) Option { return func(o *options) { o.dtypes = dts } }
+
+// WithSkip skips, with the reason it returns, the architectures a backend
+// does not run yet ("" runs it).
+func WithSkip(why func(model.Config) string) Option { return func(o *options) { o.skip = why } }
 
 // naiveTol bounds the float32 reference's relative error against Naive.
 const naiveTol = 1e-5
@@ -105,6 +110,11 @@ func runShape(t *testing.T, name string, dt model.DType, newBackend NewFunc, o *
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Close() })
+	if o.skip != nil {
+		if why := o.skip(m.Config); why != "" {
+			t.Skipf("%s: %s", m.Config.ArchName(), why)
+		}
+	}
 	wide, err := m.AsFloat32()
 	if err != nil {
 		t.Fatal(err)
