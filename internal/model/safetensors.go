@@ -192,7 +192,9 @@ func f32ToF16(f float32) uint16 {
 }
 
 // stHeader builds a safetensors header for tensors written back to back in
-// the given order, padded to 8 bytes as the reference writer does.
+// the given order, padded with spaces so that the data starts at a multiple
+// of 64 bytes (the reference writer pads to 8): mapped, the tensors then
+// start aligned for the kernels' vector loads.
 func stHeader(names []string, dtypes []string, shapes [][]int) ([]byte, []int64) {
 	type entry struct {
 		DType   string  `json:"dtype"`
@@ -210,7 +212,7 @@ func stHeader(names []string, dtypes []string, shapes [][]int) ([]byte, []int64)
 		off += sz
 	}
 	js, _ := json.Marshal(m) // maps marshal with sorted keys: deterministic
-	for len(js)%8 != 0 {
+	for (8+len(js))%64 != 0 {
 		js = append(js, ' ')
 	}
 	h := make([]byte, 8, 8+len(js))

@@ -202,22 +202,26 @@ func (b *Backend) attend(a *attnJob, k, lo, hi int) {
 		t, g := a.t0+task/c.KVHeads, task%c.KVHeads
 		end := s.pos[t] + 1
 		start := end - 1 - a.first(s.pos[t])
+		// The positions start in page pi0 at slot in0; each later page
+		// from its slot 0.
+		pi0 := start / ps
+		in0 := start - pi0*ps
 		pages := s.seqs[s.seq[t]].Pages
 		sc := sc[:cap(sc)]
 		for h := g * group; h < (g+1)*group; h++ {
 			q := s.q[t*qd+h*hd : t*qd+(h+1)*hd]
-			for p := start; p < end; {
-				cnt := min(ps-p%ps, end-p)
-				off := a.kBase + int(pages[p/ps])*a.pageElems + (p%ps)*kvd + g*hd
+			for p, pi, in := start, pi0, in0; p < end; pi, in = pi+1, 0 {
+				cnt := min(ps-in, end-p)
+				off := a.kBase + int(pages[pi])*a.pageElems + in*kvd + g*hd
 				attnScores(q, b.kv[off:], kvd, cnt, hd, sc[p-start:])
 				p += cnt
 			}
 			softmax(sc, end-start, scale)
 			o := s.att[t*qd+h*hd : t*qd+(h+1)*hd]
 			clear(o)
-			for p := start; p < end; {
-				cnt := min(ps-p%ps, end-p)
-				off := a.vBase + int(pages[p/ps])*a.pageElems + (p%ps)*kvd + g*hd
+			for p, pi, in := start, pi0, in0; p < end; pi, in = pi+1, 0 {
+				cnt := min(ps-in, end-p)
+				off := a.vBase + int(pages[pi])*a.pageElems + in*kvd + g*hd
 				attnAccum(sc[p-start:], b.kv[off:], kvd, cnt, hd, o)
 				p += cnt
 			}

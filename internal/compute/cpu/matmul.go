@@ -54,26 +54,37 @@ func (j *matJob) plan(tm *team) int {
 // its share of the work. Per block of rows (kept in L1), all tokens, through
 // the microkernels in tiles of up to 4 or 8 rows by 3 tokens.
 func (j *matJob) run(k int) {
-	lo, hi := j.work*k/j.parts, j.work*(k+1)/j.parts
+	lo, hi := 0, j.work
+	if j.parts > 1 {
+		lo, hi = j.work*k/j.parts, j.work*(k+1)/j.parts
+	}
 	base := 0
 	for mi := range j.mats {
 		m := &j.mats[mi]
 		nb := (m.rows() + 3) / 4
 		// Blocks b with lo <= base + b*work < hi.
-		a := max(0, ceilDiv(lo-base, m.work))
-		z := min(nb, ceilDiv(hi-base, m.work))
+		a, z := 0, nb
+		if j.parts > 1 {
+			a = max(0, ceilDiv(lo-base, m.work))
+			z = min(nb, ceilDiv(hi-base, m.work))
+		}
+		rows := m.rows()
 		for blk := a; blk < z; {
-			r0 := blk * 4
+			r0, nr := blk*4, 4
 			switch {
-			case blk+1 < z && r0+8 <= m.rows():
-				matRows(m.w, m.x, m.n, m.out, r0, 8)
+			case blk+1 < z && r0+8 <= rows:
+				nr = 8
 				blk += 2
-			case r0+4 <= m.rows():
-				matRows(m.w, m.x, m.n, m.out, r0, 4)
+			case r0+4 <= rows:
 				blk++
 			default:
-				matRows(m.w, m.x, m.n, m.out, r0, m.rows()-r0)
+				nr = rows - r0
 				blk++
+			}
+			if m.w.dt == model.F32 && hasAVX2 {
+				matRows32(m.w.f32, m.w.in, m.x, m.n, m.out, rows, r0, nr)
+			} else {
+				matRows(m.w, m.x, m.n, m.out, r0, nr)
 			}
 		}
 		if m.bias != nil {
