@@ -75,7 +75,7 @@ func (r *Registry) Select(architectures []string, modelType string) (*Spec, erro
 // implements.
 func Architectures() *Registry {
 	r := NewRegistry()
-	dense := MLPSpec{Prefix: "mlp."}
+	dense := MLPSpec{}
 	qwenMoE := MLPSpec{MoE: true, Prefix: "mlp.", Router: "gate", Proj: [3]string{"gate_proj", "up_proj", "down_proj"}}
 	for _, e := range []struct {
 		name string
@@ -101,7 +101,7 @@ func Architectures() *Registry {
 // Llama2CSpec is the architecture of llama2.c checkpoints: Llama with
 // interleaved RoPE pairs.
 func Llama2CSpec() *Spec {
-	return &Spec{Name: "LlamaForCausalLM", ModelType: "llama", Attention: AttentionSpec{Rope: RopeInterleaved}, MLP: MLPSpec{Prefix: "mlp."}}
+	return &Spec{Name: "LlamaForCausalLM", ModelType: "llama", Attention: AttentionSpec{Rope: RopeInterleaved}}
 }
 
 // MustSpec returns the built-in Spec registered under name, for tests and

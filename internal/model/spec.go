@@ -49,9 +49,10 @@ type MLPSpec struct {
 	// Config.ExpertDim, of which each token uses Config.TopK (dense layers
 	// remain where Config.DenseLayer says).
 	MoE bool
-	// Prefix is the MLP's module name in the layer ("mlp." or
+	// Prefix is the MoE module's name in the layer ("mlp." or
 	// "block_sparse_moe."); Router the router's ("gate"); Proj the names of
-	// an expert's gate, up and down projections.
+	// an expert's gate, up and down projections. (Dense MLPs are
+	// "mlp.{gate,up,down}_proj" in every architecture.)
 	Prefix string
 	Router string
 	Proj   [3]string
