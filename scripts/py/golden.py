@@ -35,9 +35,13 @@ def sha256_weights(d):
 
 
 def load(d, dtype, device):
-    model, info = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager",
-                                                       output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    loaded = AutoModelForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="eager",
+                                                  output_loading_info=True)
+    model, info = loaded if isinstance(loaded, tuple) else (loaded, {})
+    if not isinstance(info, dict):
+        info = vars(info)
+    bad = {k: sorted(map(str, v)) for k, v in info.items()
+           if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if bad:
         sys.exit(f"{d}: transformers did not load every tensor as written: {bad}")
     return model.to(device).eval()
