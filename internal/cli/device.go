@@ -33,6 +33,13 @@ func gpuPresent() (bool, string) {
 	return true, ""
 }
 
+// cudaRuns says whether the CUDA backend runs c's architecture: the Llama
+// blocks only (q/k/v biases included) until it composes its layers from the
+// Spec; anything else it would run as a different model.
+func cudaRuns(c model.Config) bool {
+	return c.Spec != nil && !c.Spec.Attention.QKNorm && !c.Spec.MLP.MoE && c.SlidingWindow == 0
+}
+
 // backend is the model backend serve runs on, with its KV pool registered
 // with the transfer engine.
 type backend struct {
@@ -50,7 +57,7 @@ type backend struct {
 func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer.Engine, lg *zap.Logger) (*backend, error) {
 	dev := f.device
 	if dev == "auto" {
-		if ok, _ := gpuPresent(); ok {
+		if ok, _ := gpuPresent(); ok && cudaRuns(m.Config) {
 			dev = "cuda"
 		} else {
 			dev = "cpu"
@@ -99,9 +106,13 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	if ok, why := gpuPresent(); !ok {
 		return nil, fmt.Errorf("--device cuda: no usable GPU: %s", why)
 	}
+	if !cudaRuns(m.Config) {
+		return nil, fmt.Errorf("--device cuda: %s (q/k norms, experts or a sliding window) is not implemented by the CUDA backend yet; use --device cpu",
+			m.Config.ArchName())
+	}
 	be, err := cudabe.New(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
 		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,
-		RandomWeights: m.W == nil, Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()})
+		RandomWeights: !m.HasWeights(), Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()})
 	if err != nil {
 		return nil, fmt.Errorf("--device cuda (GPU %d): %w", f.baseGPU, err)
 	}

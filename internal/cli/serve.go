@@ -321,7 +321,7 @@ func physMem() int64 {
 }
 
 func fingerprint(c model.Config) string {
-	return fmt.Sprintf("%s dim=%d layers=%d heads=%d kv_heads=%d head_dim=%d vocab=%d", c.Arch, c.Dim, c.Layers, c.Heads, c.KVHeads, c.HeadDim, c.Vocab)
+	return fmt.Sprintf("%s dim=%d layers=%d heads=%d kv_heads=%d head_dim=%d vocab=%d", c.ArchName(), c.Dim, c.Layers, c.Heads, c.KVHeads, c.HeadDim, c.Vocab)
 }
 
 // servingStack is a running serve: what the command started, for shutdown
@@ -360,10 +360,14 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(func() error { httpLn.Close(); return nil })
 
+	loadStart := time.Now()
 	m, tok, err := f.loadModel()
 	if err != nil {
 		return err
 	}
+	st.add(m.Close) // after the backend (closed first) stops reading the mapped weights
+	lg.Info("model loaded", zap.String("arch", m.Config.ArchName()), zap.String("dtype", m.Config.DType),
+		zap.Duration("took", time.Since(loadStart)))
 	name := f.servedName
 	if name == "" {
 		name = f.modelPath

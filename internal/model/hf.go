@@ -5,9 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
+	"slices"
 	"sort"
-	"sync"
 )
 
 // hfConfig is the part of an HF config.json we read.
@@ -28,11 +27,25 @@ type hfConfig struct {
 	RMSNormEps     *float64        `json:"rms_norm_eps"`
 	Tie            *bool           `json:"tie_word_embeddings"`
 	AttentionBias  bool            `json:"attention_bias"`
+	MLPBias        bool            `json:"mlp_bias"`
 	BOS            json.RawMessage `json:"bos_token_id"`
 	EOS            json.RawMessage `json:"eos_token_id"`
 	TorchDType     string          `json:"torch_dtype"`
 	DType          string          `json:"dtype"`
 	HiddenAct      string          `json:"hidden_act"`
+
+	SlidingWindow    *int  `json:"sliding_window"`
+	UseSlidingWindow *bool `json:"use_sliding_window"`
+	MaxWindowLayers  *int  `json:"max_window_layers"`
+
+	NumExperts      int   `json:"num_experts"`
+	NumLocalExperts int   `json:"num_local_experts"`
+	ExpertsPerTok   int   `json:"num_experts_per_tok"`
+	MoEIntermediate int   `json:"moe_intermediate_size"`
+	NormTopKProb    *bool `json:"norm_topk_prob"`
+	SharedExpertDim int   `json:"shared_expert_intermediate_size"`
+	SparseStep      int   `json:"decoder_sparse_step"`
+	MLPOnlyLayers   []int `json:"mlp_only_layers"`
 }
 
 // ropeParams covers rope_scaling and transformers 5's rope_parameters.
@@ -43,30 +56,28 @@ type ropeParams struct {
 	RopeScaling
 }
 
-// ParseHFConfig converts an HF config.json into a Config.
-func ParseHFConfig(b []byte) (Config, error) {
+// ParseHFConfig converts an HF config.json into a Config, selecting the
+// architecture from the built-in registry.
+func ParseHFConfig(b []byte) (Config, error) { return Architectures().ParseHFConfig(b) }
+
+// ParseHFConfig converts an HF config.json into a Config of one of r's
+// architectures.
+func (r *Registry) ParseHFConfig(b []byte) (Config, error) {
 	var h hfConfig
 	if err := json.Unmarshal(b, &h); err != nil {
 		return Config{}, fmt.Errorf("model: config.json: %w", err)
 	}
-	arch := ""
-	if len(h.Architectures) > 0 {
-		arch = h.Architectures[0]
-	} else {
-		arch = map[string]string{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[h.ModelType]
-	}
-	switch arch {
-	case "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM":
-	default:
-		return Config{}, fmt.Errorf("model: architecture %q (model_type %q) not supported; want LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM", arch, h.ModelType)
+	spec, err := r.Select(h.Architectures, h.ModelType)
+	if err != nil {
+		return Config{}, err
 	}
 	if h.HiddenAct != "" && h.HiddenAct != "silu" {
 		return Config{}, fmt.Errorf("model: hidden_act %q not supported", h.HiddenAct)
 	}
 	c := Config{
-		Arch: arch, Dim: h.HiddenSize, HiddenDim: h.Intermediate, Layers: h.Layers, Heads: h.Heads,
+		Spec: spec, Dim: h.HiddenSize, HiddenDim: h.Intermediate, Layers: h.Layers, Heads: h.Heads,
 		KVHeads: h.Heads, Vocab: h.Vocab, MaxSeqLen: h.MaxPos, RopeTheta: 10000, NormEps: 1e-6,
-		QKVBias: arch == "Qwen2ForCausalLM", BOS: -1, DType: h.TorchDType,
+		BOS: -1, DType: h.TorchDType,
 	}
 	if h.DType != "" {
 		c.DType = h.DType
@@ -85,8 +96,36 @@ func ParseHFConfig(b []byte) (Config, error) {
 	if h.Tie != nil {
 		c.TiedEmbedding = *h.Tie
 	}
-	if h.AttentionBias && !c.QKVBias {
-		return Config{}, fmt.Errorf("model: attention_bias (with an o_proj bias) not supported for %s", arch)
+	if h.MLPBias {
+		return Config{}, fmt.Errorf("model: mlp_bias not supported for %s", spec.Name)
+	}
+	if h.AttentionBias && !spec.Attention.QKVBias {
+		return Config{}, fmt.Errorf("model: attention_bias (with an o_proj bias) not supported for %s", spec.Name)
+	}
+	if spec.Attention.SlidingWindow && h.SlidingWindow != nil && *h.SlidingWindow > 0 {
+		// Mistral and Mixtral apply sliding_window when set; the Qwens only
+		// with use_sliding_window, from layer max_window_layers on.
+		switch {
+		case h.UseSlidingWindow == nil:
+			c.SlidingWindow = *h.SlidingWindow
+		case *h.UseSlidingWindow:
+			c.SlidingWindow = *h.SlidingWindow
+			if h.MaxWindowLayers != nil {
+				c.WindowFrom = *h.MaxWindowLayers
+			}
+		}
+	}
+	if spec.MLP.MoE {
+		c.Experts = max(h.NumExperts, h.NumLocalExperts)
+		c.TopK = h.ExpertsPerTok
+		c.ExpertDim = h.MoEIntermediate
+		if c.ExpertDim == 0 {
+			c.ExpertDim = h.Intermediate // Mixtral's experts are intermediate_size wide
+		}
+		c.NormTopKProb = spec.MLP.NormTopK == NormTopKAlways || (h.NormTopKProb != nil && *h.NormTopKProb)
+		c.SharedExpertDim = h.SharedExpertDim
+		c.DenseLayers = h.MLPOnlyLayers
+		c.SparseStep = h.SparseStep
 	}
 	if h.RopeTheta != nil {
 		c.RopeTheta = *h.RopeTheta
@@ -108,12 +147,9 @@ func ParseHFConfig(b []byte) (Config, error) {
 		}
 		switch t {
 		case "", "default":
-		case "llama3":
+		case "llama3", "linear":
 			s := rp.RopeScaling
-			s.Type = "llama3"
-			if s.Factor <= 0 || s.OriginalMaxPositionEmbeddings <= 0 || s.HighFreqFactor <= s.LowFreqFactor {
-				return Config{}, fmt.Errorf("model: bad llama3 rope_scaling %+v", s)
-			}
+			s.Type = t
 			c.RopeScaling = &s
 		default:
 			return Config{}, fmt.Errorf("model: rope_scaling type %q not supported", t)
@@ -141,15 +177,22 @@ func ParseHFConfig(b []byte) (Config, error) {
 	return c, nil
 }
 
-// LoadHF reads an HF model directory: config.json and model.safetensors, or
-// shards listed in model.safetensors.index.json. F32, F16 and BF16 tensors
-// are converted to float32.
-func LoadHF(dir string) (*Model, error) {
+// LoadHF reads an HF model directory (config.json and model.safetensors, or
+// the shards model.safetensors.index.json lists) with the built-in
+// architectures.
+func LoadHF(dir string) (*Model, error) { return Architectures().LoadHF(dir) }
+
+// LoadHF reads an HF model directory. The safetensors files are
+// memory-mapped and every tensor is a view of its file in the stored dtype
+// (F32, F16 or BF16): nothing is converted or copied. The mapping is read
+// ahead in parallel, so the model is resident when LoadHF returns. Close
+// unmaps it.
+func (r *Registry) LoadHF(dir string) (*Model, error) {
 	b, err := os.ReadFile(filepath.Join(dir, "config.json"))
 	if err != nil {
 		return nil, fmt.Errorf("model: %w", err)
 	}
-	c, err := ParseHFConfig(b)
+	c, err := r.ParseHFConfig(b)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
@@ -157,79 +200,60 @@ func LoadHF(dir string) (*Model, error) {
 	if err != nil {
 		return nil, err
 	}
-	var opened []*stFile
+	m := &Model{Path: dir}
+	loaded := false
 	defer func() {
-		for _, f := range opened {
-			f.Close()
+		if !loaded {
+			m.Close()
 		}
 	}()
 	where := map[string]*stFile{}
 	for _, p := range files {
-		f, err := openSafetensors(p)
+		f, err := mapSafetensors(p)
 		if err != nil {
 			return nil, err
 		}
-		opened = append(opened, f)
+		m.maps = append(m.maps, f.data)
 		for name := range f.tensors {
 			where[name] = f
 		}
 	}
-	if _, ok := where["lm_head.weight"]; !ok && !c.TiedEmbedding {
+	if _, has := where["lm_head.weight"]; !has && !c.TiedEmbedding {
 		c.TiedEmbedding = true // no classifier stored: it is the embedding
 	}
-	w := &Weights{}
-	shapes := w.shapes(&c)
-	var total int64
-	for _, s := range shapes {
-		f, ok := where[s.name]
-		if !ok {
-			return nil, fmt.Errorf("model: %s: tensor %s missing", dir, s.name)
+	m.Config = c
+	m.Layers = make([]LayerTensors, c.Layers)
+	dt, _ := ParseDType(c.DType)
+	if dt == 0 {
+		dt = F32
+	}
+	specs := c.Spec.Tensors(&c, dt)
+	for i := range specs {
+		s := &specs[i]
+		f, found := where[s.Name]
+		if !found {
+			return nil, fmt.Errorf("model: %s: tensor %s missing", dir, s.Name)
 		}
-		t := f.tensors[s.name]
-		if numel(t.Shape) != numel(s.shape) || len(t.Shape) != len(s.shape) {
-			return nil, fmt.Errorf("model: %s: tensor %s has shape %v, want %v", dir, s.name, t.Shape, s.shape)
+		t := f.tensors[s.Name]
+		if !slices.Equal(t.Shape, s.Shape) {
+			return nil, fmt.Errorf("model: %s: tensor %s has shape %v, want %v", dir, s.Name, t.Shape, s.Shape)
 		}
-		for i := range t.Shape {
-			if t.Shape[i] != s.shape[i] {
-				return nil, fmt.Errorf("model: %s: tensor %s has shape %v, want %v", dir, s.name, t.Shape, s.shape)
-			}
+		d, err := ParseDType(t.DType)
+		if err != nil {
+			return nil, fmt.Errorf("model: %s: tensor %s: %w", dir, s.Name, err)
 		}
-		total += t.End - t.Begin
-	}
-	prog := newProgress("loading "+filepath.Base(dir), total)
-	defer prog.Finish()
-	jobs := make(chan tensorShape)
-	errs := make([]error, len(shapes))
-	idx := map[string]int{}
-	for i, s := range shapes {
-		idx[s.name] = i
-	}
-	var wg sync.WaitGroup
-	for k := 0; k < min(runtime.GOMAXPROCS(0), 4); k++ {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for s := range jobs {
-				f := where[s.name]
-				*s.dst = make([]float32, numel(s.shape))
-				errs[idx[s.name]] = f.readF32(f.tensors[s.name], *s.dst, prog)
-			}
-		}()
-	}
-	for _, s := range shapes {
-		jobs <- s
-	}
-	close(jobs)
-	wg.Wait()
-	for _, e := range errs {
-		if e != nil {
-			return nil, e
+		data := f.data[t.Begin:t.End]
+		if !littleEndian {
+			data = swapped(data, d.Size())
 		}
+		*m.slot(s) = &Tensor{Name: s.Name, DType: d, Shape: s.Shape, Data: data}
 	}
-	if err := w.check(&c); err != nil {
-		return nil, err
+	if c.TiedEmbedding {
+		m.LMHead = m.Embed
 	}
-	return &Model{Config: c, W: w, Path: dir}, nil
+	prefault(m.maps, "loading "+filepath.Base(dir))
+	loaded = true
+	return m, nil
 }
 
 // safetensorsFiles lists the weight files of an HF directory.

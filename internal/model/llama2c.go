@@ -4,7 +4,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"fmt"
-	"math"
+	"io"
 	"os"
 	"path/filepath"
 	"unsafe"
@@ -14,12 +14,43 @@ import (
 // (dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size, seq_len; a
 // negative vocab_size means an unshared classifier), then float32 tensors.
 // RoPE pairs are interleaved; generation stops at EOS (2) or BOS (1), as in
-// llama2.c.
+// llama2.c. The tensors are views of the file read into memory.
 func LoadLlama2C(path string) (*Model, error) {
-	b, err := os.ReadFile(path)
+	b, err := readAligned(path, 28)
+	if err != nil {
+		return nil, err
+	}
+	return parseLlama2C(path, b)
+}
+
+// readAligned reads the file at path into memory placed so that byte off of
+// it is 32-byte aligned: llama2.c's tensors start at byte 28, and the
+// kernels' loads are faster on aligned rows. (The files are small and
+// float32: reading them beats mapping them misaligned.)
+func readAligned(path string, off int) ([]byte, error) {
+	f, err := os.Open(path)
 	if err != nil {
 		return nil, fmt.Errorf("model: %w", err)
 	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("model: %w", err)
+	}
+	size := st.Size()
+	if int64(int(size)) != size {
+		return nil, fmt.Errorf("model: %s: %d bytes do not fit the address space", path, size)
+	}
+	buf := make([]byte, int(size)+32)
+	shift := int((32 - (uintptr(unsafe.Pointer(&buf[0]))+uintptr(off))%32) % 32)
+	b := buf[shift : shift+int(size)]
+	if _, err := io.ReadFull(f, b); err != nil {
+		return nil, fmt.Errorf("model: reading %s: %w", path, err)
+	}
+	return b, nil
+}
+
+func parseLlama2C(path string, b []byte) (*Model, error) {
 	if len(b) < 28 {
 		return nil, fmt.Errorf("model: %s: too short for a llama2.c header", path)
 	}
@@ -33,9 +64,9 @@ func LoadLlama2C(path string) (*Model, error) {
 		vocab = -vocab
 	}
 	c := Config{
-		Arch: "LlamaForCausalLM", Dim: h[0], HiddenDim: h[1], Layers: h[2], Heads: h[3], KVHeads: h[4],
+		Spec: Llama2CSpec(), Dim: h[0], HiddenDim: h[1], Layers: h[2], Heads: h[3], KVHeads: h[4],
 		Vocab: vocab, MaxSeqLen: h[6], RopeTheta: 10000, NormEps: 1e-5, TiedEmbedding: shared,
-		RopeInterleaved: true, BOS: 1, EOS: []int{2, 1}, DType: "float32",
+		BOS: 1, EOS: []int{2, 1}, DType: "float32",
 	}
 	if c.Heads > 0 {
 		c.HeadDim = c.Dim / c.Heads
@@ -43,64 +74,62 @@ func LoadLlama2C(path string) (*Model, error) {
 	if err := c.Validate(); err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	if c.HeadDim*c.Heads != c.Dim || c.MaxSeqLen <= 0 {
+	if c.HeadDim*c.Heads != c.Dim || c.MaxSeqLen <= 0 || c.HiddenDim <= 0 {
 		return nil, fmt.Errorf("model: %s: dim %d not divisible into %d heads, or seq_len %d", path, c.Dim, c.Heads, c.MaxSeqLen)
 	}
-	floats := b[28:]
-	nf := len(floats) / 4
+	data := b[28:]
+	if !littleEndian {
+		data = swapped(data, 4)
+	}
+	nf := len(data) / 4
 	pos := 0
 	var short bool
-	take := func(n int) []float32 {
+	take := func(n int) []byte {
 		if short || pos+n > nf {
 			short = true
 			return nil
 		}
-		out := make([]float32, n)
-		src := floats[4*pos : 4*(pos+n)]
-		if littleEndian {
-			copy(out, unsafe.Slice((*float32)(unsafe.Pointer(&src[0])), n))
-		} else {
-			for i := range out {
-				out[i] = math.Float32frombits(binary.LittleEndian.Uint32(src[4*i:]))
-			}
-		}
+		out := data[4*pos : 4*(pos+n) : 4*(pos+n)]
 		pos += n
 		return out
 	}
 	L, d, kv, hd := c.Layers, c.Dim, c.kvDim(), c.HiddenDim
-	w := &Weights{Layers: make([]Layer, L)}
-	w.Embed = take(vocab * d)
-	per := func(n int, set func(*Layer, []float32)) {
+	m := &Model{Config: c, Layers: make([]LayerTensors, L), Path: path}
+	t := func(name string, data []byte, shape ...int) *Tensor {
+		return &Tensor{Name: name, DType: F32, Shape: shape, Data: data}
+	}
+	m.Embed = t("model.embed_tokens.weight", take(vocab*d), vocab, d)
+	per := func(name string, n int, set func(*LayerTensors, *Tensor), shape ...int) {
 		all := take(L * n)
-		for i := range w.Layers {
+		for i := range m.Layers {
 			if all != nil {
-				set(&w.Layers[i], all[i*n:(i+1)*n:(i+1)*n])
+				set(&m.Layers[i], t(fmt.Sprintf("model.layers.%d.%s", i, name), all[4*i*n:4*(i+1)*n:4*(i+1)*n], shape...))
 			}
 		}
 	}
-	per(d, func(l *Layer, s []float32) { l.AttnNorm = s })
-	per(d*c.qDim(), func(l *Layer, s []float32) { l.WQ = s })
-	per(d*kv, func(l *Layer, s []float32) { l.WK = s })
-	per(d*kv, func(l *Layer, s []float32) { l.WV = s })
-	per(c.qDim()*d, func(l *Layer, s []float32) { l.WO = s })
-	per(d, func(l *Layer, s []float32) { l.FFNNorm = s })
-	per(hd*d, func(l *Layer, s []float32) { l.W1 = s })
-	per(d*hd, func(l *Layer, s []float32) { l.W2 = s })
-	per(hd*d, func(l *Layer, s []float32) { l.W3 = s })
-	w.Norm = take(d)
+	per("input_layernorm.weight", d, func(l *LayerTensors, x *Tensor) { l.AttnNorm = x }, d)
+	per("self_attn.q_proj.weight", d*c.qDim(), func(l *LayerTensors, x *Tensor) { l.Q = x }, c.qDim(), d)
+	per("self_attn.k_proj.weight", d*kv, func(l *LayerTensors, x *Tensor) { l.K = x }, kv, d)
+	per("self_attn.v_proj.weight", d*kv, func(l *LayerTensors, x *Tensor) { l.V = x }, kv, d)
+	per("self_attn.o_proj.weight", c.qDim()*d, func(l *LayerTensors, x *Tensor) { l.O = x }, d, c.qDim())
+	per("post_attention_layernorm.weight", d, func(l *LayerTensors, x *Tensor) { l.MLPNorm = x }, d)
+	per("mlp.gate_proj.weight", hd*d, func(l *LayerTensors, x *Tensor) { l.Gate = x }, hd, d)
+	per("mlp.down_proj.weight", d*hd, func(l *LayerTensors, x *Tensor) { l.Down = x }, d, hd)
+	per("mlp.up_proj.weight", hd*d, func(l *LayerTensors, x *Tensor) { l.Up = x }, hd, d)
+	m.Norm = t("model.norm.weight", take(d), d)
 	pos += c.MaxSeqLen * c.HeadDim // freq_cis_real, freq_cis_imag
 	if shared {
-		w.LMHead = w.Embed
+		m.LMHead = m.Embed
 	} else {
-		w.LMHead = take(vocab * d)
+		m.LMHead = t("lm_head.weight", take(vocab*d), vocab, d)
 	}
 	if short || pos > nf {
 		return nil, fmt.Errorf("model: %s: file has %d bytes, too short for %+v", path, len(b), c)
 	}
-	if err := w.check(&c); err != nil {
+	if err := m.check(); err != nil {
 		return nil, err
 	}
-	return &Model{Config: c, W: w, Path: path}, nil
+	return m, nil
 }
 
 // permuteRoPE reorders the rows of each head of w ([heads*hd][in]) from the
@@ -128,15 +157,9 @@ func ConvertLlama2CToHF(binPath, outDir string, tokenizerJSON, tokenizerConfigJS
 	if err != nil {
 		return err
 	}
+	defer m.Close()
 	c := m.Config
-	hw := *m.W
-	hw.Layers = make([]Layer, len(m.W.Layers))
-	for i, l := range m.W.Layers {
-		l.WQ = permuteRoPE(l.WQ, c.Heads, c.HeadDim, c.Dim)
-		l.WK = permuteRoPE(l.WK, c.KVHeads, c.HeadDim, c.Dim)
-		hw.Layers[i] = l
-	}
-	c.RopeInterleaved = false
+	c.Spec = MustSpec("LlamaForCausalLM")
 	if err := os.MkdirAll(outDir, 0o755); err != nil {
 		return fmt.Errorf("model: %w", err)
 	}
@@ -144,8 +167,15 @@ func ConvertLlama2CToHF(binPath, outDir string, tokenizerJSON, tokenizerConfigJS
 		return err
 	}
 	var ts []outTensor
-	for _, t := range hw.shapes(&c) {
-		ts = append(ts, outTensor{name: t.name, dtype: "F32", shape: t.shape, src: *t.dst})
+	for _, s := range c.Spec.Tensors(&c, F32) {
+		v := (*m.slot(&s)).ToF32()
+		switch s.Role {
+		case RoleQ:
+			v = permuteRoPE(v, c.Heads, c.HeadDim, c.Dim)
+		case RoleK:
+			v = permuteRoPE(v, c.KVHeads, c.HeadDim, c.Dim)
+		}
+		ts = append(ts, outTensor{name: s.Name, dtype: "F32", shape: s.Shape, src: v})
 	}
 	if err := writeSafetensors(filepath.Join(outDir, "model.safetensors"), ts, 1, nil); err != nil {
 		return err
@@ -166,10 +196,10 @@ func writeConfigJSON(path string, c *Config) error {
 	if dtype == "" {
 		dtype = "float32"
 	}
-	mt := map[string]string{"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}[c.Arch]
+	s := c.Spec
 	m := map[string]any{
-		"architectures":           []string{c.Arch},
-		"model_type":              mt,
+		"architectures":           []string{s.Name},
+		"model_type":              s.ModelType,
 		"hidden_size":             c.Dim,
 		"intermediate_size":       c.HiddenDim,
 		"num_hidden_layers":       c.Layers,
@@ -183,9 +213,37 @@ func writeConfigJSON(path string, c *Config) error {
 		"tie_word_embeddings":     c.TiedEmbedding,
 		"hidden_act":              "silu",
 		"torch_dtype":             dtype,
+		"attention_bias":          s.Attention.QKVBias,
 	}
-	if c.Arch != "Qwen2ForCausalLM" {
-		m["attention_bias"] = false
+	if s.Attention.SlidingWindow {
+		switch {
+		case c.SlidingWindow == 0:
+			m["sliding_window"] = nil
+			if s.ModelType != "mistral" && s.ModelType != "mixtral" {
+				m["use_sliding_window"] = false
+			}
+		case s.ModelType == "mistral" || s.ModelType == "mixtral":
+			m["sliding_window"] = c.SlidingWindow
+		default:
+			m["sliding_window"], m["use_sliding_window"], m["max_window_layers"] = c.SlidingWindow, true, c.WindowFrom
+		}
+	}
+	if s.MLP.MoE {
+		if s.ModelType == "mixtral" {
+			m["num_local_experts"] = c.Experts
+			m["intermediate_size"] = c.ExpertDim
+		} else {
+			m["num_experts"] = c.Experts
+			m["moe_intermediate_size"] = c.ExpertDim
+			m["norm_topk_prob"] = c.NormTopKProb
+			m["decoder_sparse_step"] = max(c.SparseStep, 1)
+			m["mlp_only_layers"] = append([]int{}, c.DenseLayers...)
+		}
+		m["num_experts_per_tok"] = c.TopK
+		m["output_router_logits"] = false
+		if s.MLP.SharedExpert {
+			m["shared_expert_intermediate_size"] = c.SharedExpertDim
+		}
 	}
 	if c.RopeScaling != nil {
 		m["rope_scaling"] = c.RopeScaling

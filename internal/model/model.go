@@ -1,39 +1,23 @@
 package model
 
 import (
+	"errors"
 	"fmt"
 	"os"
+	"unsafe"
 )
 
-// Model is a loaded model: its configuration and float32 host weights.
+// Model is a model: its configuration and its weights as named tensors in
+// their stored dtype, by role (Config.Spec.Tensors lists them).
 type Model struct {
 	Config Config
-	W      *Weights
-	Path   string // where it was loaded from ("" for built-in or in-memory models)
-	Random bool   // weights are seeded random, not trained
-}
-
-// Weights are a model's tensors in float32, row-major [out][in] as HF stores
-// them. Projections map Dim to Heads*HeadDim (q), KVHeads*HeadDim (k, v) and
-// back (o); the feed-forward maps Dim to HiddenDim (W1 gate, W3 up) and back
-// (W2 down).
-type Weights struct {
-	Embed  []float32 // [Vocab][Dim]
-	Layers []Layer
-	Norm   []float32 // final RMSNorm [Dim]
-	LMHead []float32 // [Vocab][Dim]; the same slice as Embed when tied
-}
-
-// Layer holds one transformer block's weights.
-type Layer struct {
-	AttnNorm   []float32 // [Dim]
-	WQ         []float32 // [Heads*HeadDim][Dim]
-	WK, WV     []float32 // [KVHeads*HeadDim][Dim]
-	WO         []float32 // [Dim][Heads*HeadDim]
-	BQ, BK, BV []float32 // biases (Qwen2); nil when absent
-	FFNNorm    []float32 // [Dim]
-	W1, W3     []float32 // gate, up: [HiddenDim][Dim]
-	W2         []float32 // down: [Dim][HiddenDim]
+	Embed  *Tensor // [Vocab][Dim]
+	Layers []LayerTensors
+	Norm   *Tensor // final RMSNorm [Dim]
+	LMHead *Tensor // [Vocab][Dim]; Embed itself when tied
+	Path   string  // where it was loaded from ("" for built-in or in-memory models)
+	Random bool    // weights are seeded random, not trained
+	maps   [][]byte
 }
 
 // Load reads a model from a llama2.c checkpoint file or an HF directory.
@@ -48,84 +32,189 @@ func Load(path string) (*Model, error) {
 	return LoadLlama2C(path)
 }
 
-// Validate checks that the configuration is usable.
-func (c *Config) Validate() error {
-	switch {
-	case c.Dim <= 0, c.HiddenDim <= 0, c.Layers <= 0, c.Heads <= 0, c.KVHeads <= 0, c.HeadDim <= 0, c.Vocab <= 0:
-		return fmt.Errorf("model: bad shape: dim %d hidden %d layers %d heads %d kv heads %d head dim %d vocab %d",
-			c.Dim, c.HiddenDim, c.Layers, c.Heads, c.KVHeads, c.HeadDim, c.Vocab)
-	case c.Heads%c.KVHeads != 0:
-		return fmt.Errorf("model: %d heads not a multiple of %d kv heads", c.Heads, c.KVHeads)
-	case c.HeadDim%2 != 0:
-		return fmt.Errorf("model: odd head dim %d", c.HeadDim)
-	case c.Layers > 1<<12, c.Dim > 1<<17, c.HiddenDim > 1<<19, c.Vocab > 1<<22, c.Heads > 1<<10, c.HeadDim > 1<<12:
-		return fmt.Errorf("model: implausible shape %+v", *c)
+// HasWeights says whether m holds its weights (a model made for a backend
+// that makes random weights itself has none).
+func (m *Model) HasWeights() bool { return m.Embed != nil }
+
+// Close releases the memory mappings of a loaded model. The tensors are
+// unusable afterwards: close the backends that use them first.
+func (m *Model) Close() error {
+	var errs []error
+	for _, b := range m.maps {
+		errs = append(errs, unmap(b))
 	}
-	return nil
+	m.maps = nil
+	return errors.Join(errs...)
 }
 
-// tensorShapes lists every weight of cfg with its HF name and shape, in the
-// order HF checkpoints usually hold them.
-type tensorShape struct {
-	name  string
-	shape []int
-	dst   *[]float32
-}
-
-func (c *Config) qDim() int  { return c.Heads * c.HeadDim }
-func (c *Config) kvDim() int { return c.KVHeads * c.HeadDim }
-
-// shapes returns the tensors of w (allocating nothing) named as in HF.
-func (w *Weights) shapes(c *Config) []tensorShape {
-	if len(w.Layers) != c.Layers {
-		w.Layers = make([]Layer, c.Layers)
+// Tensors lists m's tensors in the Spec's order (the tied classifier once).
+func (m *Model) Tensors() []*Tensor {
+	c := m.Config
+	if c.Spec == nil || len(m.Layers) != c.Layers {
+		return nil
 	}
-	out := []tensorShape{{"model.embed_tokens.weight", []int{c.Vocab, c.Dim}, &w.Embed}}
-	for i := range w.Layers {
-		l := &w.Layers[i]
-		p := fmt.Sprintf("model.layers.%d.", i)
-		out = append(out,
-			tensorShape{p + "input_layernorm.weight", []int{c.Dim}, &l.AttnNorm},
-			tensorShape{p + "self_attn.q_proj.weight", []int{c.qDim(), c.Dim}, &l.WQ},
-			tensorShape{p + "self_attn.k_proj.weight", []int{c.kvDim(), c.Dim}, &l.WK},
-			tensorShape{p + "self_attn.v_proj.weight", []int{c.kvDim(), c.Dim}, &l.WV},
-			tensorShape{p + "self_attn.o_proj.weight", []int{c.Dim, c.qDim()}, &l.WO},
-		)
-		if c.QKVBias {
-			out = append(out,
-				tensorShape{p + "self_attn.q_proj.bias", []int{c.qDim()}, &l.BQ},
-				tensorShape{p + "self_attn.k_proj.bias", []int{c.kvDim()}, &l.BK},
-				tensorShape{p + "self_attn.v_proj.bias", []int{c.kvDim()}, &l.BV},
-			)
-		}
-		out = append(out,
-			tensorShape{p + "post_attention_layernorm.weight", []int{c.Dim}, &l.FFNNorm},
-			tensorShape{p + "mlp.gate_proj.weight", []int{c.HiddenDim, c.Dim}, &l.W1},
-			tensorShape{p + "mlp.up_proj.weight", []int{c.HiddenDim, c.Dim}, &l.W3},
-			tensorShape{p + "mlp.down_proj.weight", []int{c.Dim, c.HiddenDim}, &l.W2},
-		)
-	}
-	out = append(out, tensorShape{"model.norm.weight", []int{c.Dim}, &w.Norm})
-	if !c.TiedEmbedding {
-		out = append(out, tensorShape{"lm_head.weight", []int{c.Vocab, c.Dim}, &w.LMHead})
+	var out []*Tensor
+	for _, ts := range c.Spec.Tensors(&c, F32) {
+		out = append(out, *m.slot(&ts))
 	}
 	return out
 }
 
-// check verifies that every tensor of w has the size cfg implies.
-func (w *Weights) check(c *Config) error {
-	if w == nil {
-		return fmt.Errorf("model: no weights")
+// check verifies that m has every tensor of its Spec with the Spec's shape.
+func (m *Model) check() error {
+	c := &m.Config
+	if c.Spec == nil {
+		return fmt.Errorf("model: no architecture")
 	}
-	for _, t := range w.shapes(c) {
-		if len(*t.dst) != numel(t.shape) {
-			return fmt.Errorf("model: tensor %s has %d elements, want %v", t.name, len(*t.dst), t.shape)
+	if err := c.Validate(); err != nil {
+		return err
+	}
+	if len(m.Layers) != c.Layers {
+		return fmt.Errorf("model: %d layers of weights, config says %d", len(m.Layers), c.Layers)
+	}
+	for _, ts := range c.Spec.Tensors(c, F32) {
+		t := *m.slot(&ts)
+		if t == nil {
+			return fmt.Errorf("model: tensor %s missing", ts.Name)
+		}
+		if t.DType.Size() == 0 || len(t.Data) != numel(ts.Shape)*t.DType.Size() {
+			return fmt.Errorf("model: tensor %s: %d bytes of %v, want shape %v", ts.Name, len(t.Data), t.DType, ts.Shape)
 		}
 	}
 	if c.TiedEmbedding {
-		w.LMHead = w.Embed
+		m.LMHead = m.Embed
 	}
 	return nil
+}
+
+// AsFloat32 returns a model with m's configuration and weights as F32
+// tensors: views of m's F32 tensors, widened copies of the others (exact).
+// It shares m's mappings: close m, not the copy.
+func (m *Model) AsFloat32() (*Model, error) {
+	c := m.Config
+	if c.Spec == nil || len(m.Layers) != c.Layers {
+		return nil, fmt.Errorf("model: no architecture or layers")
+	}
+	out := &Model{Config: c, Layers: make([]LayerTensors, c.Layers), Path: m.Path, Random: m.Random}
+	out.Config.DType = "float32"
+	for _, ts := range c.Spec.Tensors(&c, F32) {
+		t := *m.slot(&ts)
+		if t == nil {
+			return nil, fmt.Errorf("model: tensor %s missing", ts.Name)
+		}
+		*out.slot(&ts) = f32Tensor(t.Name, t.Shape, t.ToF32())
+	}
+	if err := out.check(); err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// Weights are a dense model's tensors as float32 host slices, row-major
+// [out][in] as HF stores them: the form the CUDA backend still uploads from
+// (Model.Float32Weights makes it). Projections map Dim to Heads*HeadDim (q),
+// KVHeads*HeadDim (k, v) and back (o); the feed-forward maps Dim to
+// HiddenDim (W1 gate, W3 up) and back (W2 down).
+type Weights struct {
+	Embed  []float32 // [Vocab][Dim]
+	Layers []Layer
+	Norm   []float32 // final RMSNorm [Dim]
+	LMHead []float32 // [Vocab][Dim]; the same slice as Embed when tied
+}
+
+// Layer holds one dense transformer block's float32 weights.
+type Layer struct {
+	AttnNorm   []float32 // [Dim]
+	WQ         []float32 // [Heads*HeadDim][Dim]
+	WK, WV     []float32 // [KVHeads*HeadDim][Dim]
+	WO         []float32 // [Dim][Heads*HeadDim]
+	BQ, BK, BV []float32 // biases (Qwen2); nil when absent
+	FFNNorm    []float32 // [Dim]
+	W1, W3     []float32 // gate, up: [HiddenDim][Dim]
+	W2         []float32 // down: [Dim][HiddenDim]
+}
+
+// ErrNoFloat32Weights: the architecture has blocks the float32 Weights
+// cannot hold.
+var ErrNoFloat32Weights = errors.New("model: no float32 Weights for this architecture")
+
+// Float32Weights returns m's weights as float32 slices: views of F32
+// tensors, converted copies of the others. Only architectures made of the
+// Llama blocks (with q/k/v biases, without q/k norms, experts or a sliding
+// window) have this form; for the others it is ErrNoFloat32Weights. The
+// mapped pages of each converted tensor leave the resident set once it is
+// copied (they stay in the page cache, and are read again if used), so the
+// peak is the copies' size, not the copies' and the file's.
+func (m *Model) Float32Weights() (*Weights, error) {
+	c := &m.Config
+	if !m.HasWeights() {
+		return nil, fmt.Errorf("model: no weights")
+	}
+	if s := c.Spec; s == nil || s.Attention.QKNorm || s.MLP.MoE || c.SlidingWindow > 0 {
+		return nil, fmt.Errorf("%w: %s", ErrNoFloat32Weights, c.ArchName())
+	}
+	f := func(t *Tensor) []float32 {
+		if t == nil {
+			return nil
+		}
+		v := t.ToF32()
+		if t.DType != F32 && m.maps != nil {
+			dropResident(t.Data)
+		}
+		return v
+	}
+	w := &Weights{Embed: f(m.Embed), Norm: f(m.Norm), Layers: make([]Layer, len(m.Layers))}
+	for i, l := range m.Layers {
+		w.Layers[i] = Layer{AttnNorm: f(l.AttnNorm), WQ: f(l.Q), WK: f(l.K), WV: f(l.V), WO: f(l.O),
+			BQ: f(l.QBias), BK: f(l.KBias), BV: f(l.VBias), FFNNorm: f(l.MLPNorm), W1: f(l.Gate), W3: f(l.Up), W2: f(l.Down)}
+	}
+	if m.LMHead == m.Embed {
+		w.LMHead = w.Embed
+	} else {
+		w.LMHead = f(m.LMHead)
+	}
+	return w, nil
+}
+
+// FromWeights makes a model of c (a Llama-block architecture) from float32
+// weights, sharing their memory.
+func FromWeights(c Config, w *Weights) (*Model, error) {
+	if c.Spec == nil {
+		return nil, fmt.Errorf("model: no architecture")
+	}
+	if w == nil || len(w.Layers) != c.Layers {
+		return nil, fmt.Errorf("model: weights for %d layers, config says %d", lenLayers(w), c.Layers)
+	}
+	m := &Model{Config: c, Layers: make([]LayerTensors, c.Layers)}
+	for _, ts := range c.Spec.Tensors(&c, F32) {
+		var v []float32
+		if ts.Layer < 0 {
+			v = map[Role][]float32{RoleEmbed: w.Embed, RoleNorm: w.Norm, RoleLMHead: w.LMHead}[ts.Role]
+		} else {
+			l := &w.Layers[ts.Layer]
+			v = map[Role][]float32{RoleAttnNorm: l.AttnNorm, RoleQ: l.WQ, RoleK: l.WK, RoleV: l.WV, RoleO: l.WO,
+				RoleQBias: l.BQ, RoleKBias: l.BK, RoleVBias: l.BV, RoleMLPNorm: l.FFNNorm,
+				RoleGate: l.W1, RoleUp: l.W3, RoleDown: l.W2}[ts.Role]
+		}
+		if ts.Expert >= 0 || v == nil {
+			return nil, fmt.Errorf("model: tensor %s missing from the float32 weights", ts.Name)
+		}
+		if len(v) != numel(ts.Shape) {
+			return nil, fmt.Errorf("model: tensor %s has %d elements, want %v", ts.Name, len(v), ts.Shape)
+		}
+		*m.slot(&ts) = f32Tensor(ts.Name, ts.Shape, v)
+	}
+	if err := m.check(); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+func lenLayers(w *Weights) int {
+	if w == nil {
+		return 0
+	}
+	return len(w.Layers)
 }
 
 func numel(shape []int) int {
@@ -134,4 +223,12 @@ func numel(shape []int) int {
 		n *= d
 	}
 	return n
+}
+
+// f32Bytes views v's memory as bytes.
+func f32Bytes(v []float32) []byte {
+	if len(v) == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(unsafe.SliceData(v))), len(v)*4)
 }

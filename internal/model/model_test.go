@@ -1,7 +1,8 @@
 package model
 
 import (
-	"math"
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -20,13 +21,17 @@ func TestLoadLlama2C(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer m.Close()
 	c := m.Config
 	if c.Dim != 64 || c.HiddenDim != 172 || c.Layers != 5 || c.Heads != 8 || c.KVHeads != 4 || c.Vocab != 512 ||
-		c.MaxSeqLen != 512 || !c.TiedEmbedding || !c.RopeInterleaved || c.BOS != 1 || len(c.EOS) != 2 {
+		c.MaxSeqLen != 512 || !c.TiedEmbedding || c.Spec.Attention.Rope != RopeInterleaved || c.BOS != 1 || len(c.EOS) != 2 {
 		t.Fatalf("config %+v", c)
 	}
-	if &m.W.LMHead[0] != &m.W.Embed[0] {
+	if m.LMHead != m.Embed {
 		t.Error("classifier not shared with the embedding")
+	}
+	if m.Embed.DType != F32 || m.Embed.F32() == nil {
+		t.Error("llama2.c tensors are not float32 views")
 	}
 	b, _ := os.ReadFile(p)
 	short := filepath.Join(t.TempDir(), "short.bin")
@@ -46,22 +51,26 @@ func TestLoadLlama2C(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer h.Close()
 	hd := c.HeadDim
+	hq, mq := h.Layers[0].Q.F32(), m.Layers[0].Q.F32()
+	hk, mk := h.Layers[0].K.F32(), m.Layers[0].K.F32()
 	// Row 1 of head 0 in HF order is row 2 in llama2.c order.
 	for i := 0; i < c.Dim; i++ {
-		if h.W.Layers[0].WQ[1*c.Dim+i] != m.W.Layers[0].WQ[2*c.Dim+i] || h.W.Layers[0].WK[hd/2*c.Dim+i] != m.W.Layers[0].WK[1*c.Dim+i] {
+		if hq[1*c.Dim+i] != mq[2*c.Dim+i] || hk[hd/2*c.Dim+i] != mk[1*c.Dim+i] {
 			t.Fatal("q/k rows not permuted to the half-split convention")
 		}
 	}
-	if h.Config.RopeInterleaved || !h.Config.TiedEmbedding || h.Config.Dim != 64 {
+	if h.Config.Spec.Attention.Rope != RopeHalf || h.Config.ArchName() != "LlamaForCausalLM" || !h.Config.TiedEmbedding || h.Config.Dim != 64 {
 		t.Fatalf("hf config %+v", h.Config)
 	}
 }
 
 // TestWriteRandom writes each tiny shape (sharded into small files) and
-// loads it back: the weights equal NewRandom's, rounded to the dtype.
+// loads it back: the weights equal NewRandom's, rounded to the dtype, and
+// are views of the mapped files in that dtype.
 func TestWriteRandom(t *testing.T) {
-	for _, name := range []string{"tiny", "tiny-qwen2", "tiny-llama3"} {
+	for name := range TinyShapes() {
 		t.Run(name, func(t *testing.T) {
 			dir := t.TempDir()
 			if err := writeRandom(name, dir, 5, "", 64<<10); err != nil {
@@ -74,31 +83,33 @@ func TestWriteRandom(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			defer got.Close()
 			want, err := NewRandom(name, 5)
 			if err != nil {
 				t.Fatal(err)
 			}
 			cfg, _ := RandomConfig(name)
-			if got.Config.QKVBias != cfg.QKVBias || got.Config.TiedEmbedding != cfg.TiedEmbedding ||
-				(cfg.RopeScaling != nil) != (got.Config.RopeScaling != nil) || got.Config.RopeTheta != cfg.RopeTheta {
-				t.Fatalf("config %+v, want %+v", got.Config, cfg)
+			g := got.Config
+			if g.ArchName() != cfg.ArchName() || g.TiedEmbedding != cfg.TiedEmbedding ||
+				(cfg.RopeScaling != nil) != (g.RopeScaling != nil) || g.RopeTheta != cfg.RopeTheta ||
+				g.SlidingWindow != cfg.SlidingWindow || g.Experts != cfg.Experts || g.TopK != cfg.TopK ||
+				g.ExpertDim != cfg.ExpertDim || g.NormTopKProb != cfg.NormTopKProb || g.SharedExpertDim != cfg.SharedExpertDim ||
+				fmt.Sprint(g.DenseLayers) != fmt.Sprint(cfg.DenseLayers) || g.HeadDim != cfg.HeadDim {
+				t.Fatalf("config %+v, want %+v", g, cfg)
 			}
-			gs, ws := got.W.shapes(&got.Config), want.W.shapes(&want.Config)
-			if len(gs) != len(ws) {
+			dt, _ := ParseDType(cfg.DType)
+			gs, ws := got.Tensors(), want.Tensors()
+			if len(gs) != len(ws) || len(gs) == 0 {
 				t.Fatalf("%d tensors, want %d", len(gs), len(ws))
 			}
 			for i := range gs {
-				g, w := *gs[i].dst, *ws[i].dst
+				if gs[i].Name != ws[i].Name || gs[i].DType != dt {
+					t.Fatalf("tensor %d: %s %v, want %s %v", i, gs[i].Name, gs[i].DType, ws[i].Name, dt)
+				}
+				g, w := gs[i].ToF32(), ws[i].F32()
 				for j := range w {
-					r := w[j]
-					switch cfg.DType {
-					case "bfloat16":
-						r = math.Float32frombits(uint32(f32ToBF16(r)) << 16)
-					case "float16":
-						r = f16ToF32(f32ToF16(r))
-					}
-					if g[j] != r {
-						t.Fatalf("%s[%d] = %v, want %v", gs[i].name, j, g[j], r)
+					if r := RoundTo(dt, w[j]); g[j] != r {
+						t.Fatalf("%s[%d] = %v, want %v", gs[i].Name, j, g[j], r)
 					}
 				}
 			}
@@ -109,13 +120,44 @@ func TestWriteRandom(t *testing.T) {
 	}
 }
 
+// TestRandomShapes: every shape is a valid config of a registered
+// architecture, and every registered architecture has a tiny shape.
+func TestRandomShapes(t *testing.T) {
+	archs := map[string]bool{}
+	for name, arch := range TinyShapes() {
+		archs[arch] = true
+		if c, err := RandomConfig(name); err != nil || c.ArchName() != arch {
+			t.Errorf("%s: %v %s", name, err, c.ArchName())
+		}
+	}
+	for _, name := range Architectures().Names() {
+		if !archs[name] {
+			t.Errorf("architecture %s has no tiny shape", name)
+		}
+	}
+	for _, name := range RandomShapes() {
+		if _, err := RandomConfig(name); err != nil {
+			t.Error(err)
+		}
+	}
+	c, _ := RandomConfig("qwen3-30b-a3b")
+	if !c.MoELayer(0) || !c.MoELayer(47) || c.Experts != 128 || c.TopK != 8 || !c.NormTopKProb {
+		t.Errorf("qwen3-30b-a3b: %+v", c)
+	}
+	c, _ = RandomConfig("tiny-qwen2-moe")
+	if !c.MoELayer(0) || c.MoELayer(1) || !c.MoELayer(2) {
+		t.Errorf("tiny-qwen2-moe: layer 1 is dense (mlp_only_layers), the others MoE")
+	}
+}
+
 func TestBuiltin(t *testing.T) {
 	a, b := Builtin(), Builtin()
 	if !a.Random || a.Config.Vocab < 258 || a.Config.BOS != 256 || a.Config.EOS[0] != 257 {
 		t.Fatalf("builtin %+v", a.Config)
 	}
-	for i, v := range a.W.Layers[3].W2 {
-		if b.W.Layers[3].W2[i] != v {
+	aw, bw := a.Layers[3].Down.F32(), b.Layers[3].Down.F32()
+	for i, v := range aw {
+		if bw[i] != v {
 			t.Fatal("built-in weights differ between calls")
 		}
 	}
@@ -131,7 +173,7 @@ func TestParseHFConfig(t *testing.T) {
 			"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"rope_theta":1000000,"tie_word_embeddings":true,
 			"eos_token_id":[1,2],"bos_token_id":null}`, true,
 			func(c Config) bool {
-				return c.QKVBias && c.HeadDim == 16 && c.BOS == -1 && len(c.EOS) == 2 && c.RopeTheta == 1e6
+				return c.Spec.Attention.QKVBias && c.HeadDim == 16 && c.BOS == -1 && len(c.EOS) == 2 && c.RopeTheta == 1e6
 			}},
 		{"llama3", `{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
 			"num_attention_heads":4,"head_dim":32,"vocab_size":100,"rope_scaling":{"rope_type":"llama3","factor":8,
@@ -141,8 +183,40 @@ func TestParseHFConfig(t *testing.T) {
 			}},
 		{"rope_parameters", `{"model_type":"mistral","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
 			"num_attention_heads":4,"vocab_size":100,"rope_parameters":{"rope_type":"default","rope_theta":5000}}`, true,
-			func(c Config) bool { return c.Arch == "MistralForCausalLM" && c.RopeTheta == 5000 }},
+			func(c Config) bool {
+				return c.ArchName() == "MistralForCausalLM" && c.RopeTheta == 5000 && c.SlidingWindow == 0
+			}},
+		{"qwen3", `{"architectures":["Qwen3ForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+			"num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"vocab_size":100,"attention_bias":false,
+			"use_sliding_window":false,"sliding_window":4096,"max_window_layers":28}`, true,
+			func(c Config) bool {
+				return c.Spec.Attention.QKNorm && !c.Spec.Attention.QKVBias && c.HeadDim == 32 && c.SlidingWindow == 0
+			}},
+		{"qwen3 moe", `{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,
+			"num_attention_heads":4,"vocab_size":100,"num_experts":16,"num_experts_per_tok":4,"moe_intermediate_size":32,
+			"norm_topk_prob":true,"decoder_sparse_step":2,"mlp_only_layers":[3]}`, true,
+			func(c Config) bool {
+				return c.Experts == 16 && c.TopK == 4 && c.ExpertDim == 32 && c.NormTopKProb &&
+					!c.MoELayer(0) && c.MoELayer(1) && !c.MoELayer(2) && !c.MoELayer(3)
+			}},
+		{"mixtral", `{"model_type":"mixtral","hidden_size":64,"intermediate_size":96,"num_hidden_layers":2,
+			"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"num_local_experts":8,"num_experts_per_tok":2,
+			"sliding_window":4096}`, true,
+			func(c Config) bool {
+				return c.ArchName() == "MixtralForCausalLM" && c.Experts == 8 && c.TopK == 2 && c.ExpertDim == 96 &&
+					c.NormTopKProb && c.SlidingWindow == 4096 && c.Window(1) == 4096
+			}},
+		{"qwen2 windows", `{"architectures":["Qwen2ForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":4,
+			"num_attention_heads":4,"vocab_size":100,"use_sliding_window":true,"sliding_window":64,"max_window_layers":2}`, true,
+			func(c Config) bool { return c.Window(1) == 0 && c.Window(2) == 64 }},
+		{"moe top-k beyond experts", `{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,
+			"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":100,"num_experts":4,"num_experts_per_tok":5,
+			"moe_intermediate_size":32}`, false, nil},
 		{"unknown arch", `{"architectures":["GPT2LMHeadModel"],"hidden_size":64}`, false, nil},
+		{"mlp bias", `{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+			"num_attention_heads":4,"vocab_size":100,"mlp_bias":true}`, false, nil},
+		{"qwen3 attention bias", `{"architectures":["Qwen3ForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+			"num_attention_heads":4,"vocab_size":100,"attention_bias":true}`, false, nil},
 		{"yarn", `{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
 			"num_attention_heads":4,"vocab_size":100,"rope_scaling":{"type":"yarn","factor":4}}`, false, nil},
 		{"bad heads", `{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
@@ -155,6 +229,49 @@ func TestParseHFConfig(t *testing.T) {
 		}
 		if tc.ok && !tc.check(c) {
 			t.Errorf("%s: %+v", tc.name, c)
+		}
+	}
+}
+
+// TestFloat32Weights: the float32 form of a bf16 model holds its widened
+// weights (the tied classifier once), and architectures it cannot hold are
+// refused.
+func TestFloat32Weights(t *testing.T) {
+	dir := t.TempDir()
+	if err := WriteRandom("tiny-qwen2", dir, 2, ""); err != nil {
+		t.Fatal(err)
+	}
+	m, err := Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	w, err := m.Float32Weights()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ref, _ := NewRandom("tiny-qwen2", 2)
+	rw := ref.Layers[1].V.F32()
+	for i, v := range w.Layers[1].WV {
+		if v != RoundTo(BF16, rw[i]) {
+			t.Fatalf("WV[%d] = %v, want %v", i, v, RoundTo(BF16, rw[i]))
+		}
+	}
+	if &w.LMHead[0] != &w.Embed[0] || len(w.Layers[0].BQ) != m.Config.Heads*m.Config.HeadDim {
+		t.Fatal("tied classifier or q bias wrong")
+	}
+	// Read again after the pages were dropped: the mapping still reads.
+	if got := m.Layers[1].V.ToF32(); got[7] != w.Layers[1].WV[7] {
+		t.Fatal("mapping unreadable after Float32Weights")
+	}
+	back, err := FromWeights(m.Config, w)
+	if err != nil || back.Layers[1].V.F32()[3] != w.Layers[1].WV[3] {
+		t.Fatalf("FromWeights: %v", err)
+	}
+	for _, name := range []string{"tiny-qwen3", "tiny-mixtral"} {
+		q, _ := NewRandom(name, 1)
+		if _, err := q.Float32Weights(); !errors.Is(err, ErrNoFloat32Weights) {
+			t.Errorf("%s: %v", name, err)
 		}
 	}
 }

@@ -60,20 +60,25 @@ func TestSafetensorsRoundTrip(t *testing.T) {
 	if err := writeSafetensors(p, ts, 2, nil); err != nil {
 		t.Fatal(err)
 	}
-	f, err := openSafetensors(p)
+	f, err := mapSafetensors(p)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer f.Close()
+	defer unmap(f.data)
 	for _, name := range []string{"f32", "bf16", "f16"} {
-		dst := make([]float32, 6)
-		if err := f.readF32(f.tensors[name], dst, nil); err != nil {
-			t.Fatal(err)
-		}
+		st := f.tensors[name]
+		dt, _ := ParseDType(st.DType)
+		x := &Tensor{Name: name, DType: dt, Shape: st.Shape, Data: f.data[st.Begin:st.End]}
+		dst := x.ToF32()
 		for i := range src {
 			if dst[i] != src[i] {
 				t.Fatalf("%s: %v, want %v", name, dst, src)
 			}
+		}
+		part := make([]float32, 3)
+		x.ReadF32(part, 2)
+		if part[0] != src[2] || part[2] != src[4] {
+			t.Fatalf("%s: elements 2..4 %v", name, part)
 		}
 	}
 	b, _ := os.ReadFile(p)

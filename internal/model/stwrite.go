@@ -19,6 +19,7 @@ type outTensor struct {
 	shape []int
 	src   []float32
 	gen   func(dst []float32, off int64)
+	spec  TensorSpec // for random tensors: where it belongs
 }
 
 func (t *outTensor) bytes() int64 { return int64(numel(t.shape)) * int64(dtypeSize(t.dtype)) }

@@ -254,7 +254,6 @@ func TestFieldInventory(t *testing.T) {
 		{"/v1/chat/completions", chat(`"tool_choice": "required"`), "tool_choice"},
 		{"/v1/chat/completions", chat(`"functions": [{"name": "f"}]`), "functions"},
 		{"/v1/chat/completions", chat(`"audio": {"voice": "x"}`), "audio"},
-		{"/v1/chat/completions", chat(`"chat_template_kwargs": {"enable_thinking": false}`), "chat_template_kwargs"},
 		{"/v1/chat/completions", chat(`"json_schema": "{}"`), "json_schema"},
 		{"/v1/chat/completions", chat(`"lora_path": "x"`), "lora_path"},
 		{"/v1/chat/completions", msg(`"tool_calls": [{"id": "c"}]`), "messages[0].tool_calls"},
@@ -268,7 +267,19 @@ func TestFieldInventory(t *testing.T) {
 			t.Errorf("%s %s: param %q: %s", c.path, c.body, p, body)
 		}
 	}
+	// chat_template_kwargs is honoured (TestChatTemplateKwargs), but must be an
+	// object and may not redefine the server's own template variables.
+	for _, c := range []struct{ body, param string }{
+		{chat(`"chat_template_kwargs": {"enable_thinking": false, "messages": []}`), "chat_template_kwargs.messages"},
+		{chat(`"chat_template_kwargs": {"add_generation_prompt": false}`), "chat_template_kwargs.add_generation_prompt"},
+		{chat(`"chat_template_kwargs": [true]`), "chat_template_kwargs"},
+	} {
+		status, body := post(t, ts.URL+"/v1/chat/completions", c.body)
+		checkError(t, status, body, 400, c.param)
+	}
 	accepted := []struct{ path, body string }{
+		{"/v1/chat/completions", chat(`"chat_template_kwargs": {"enable_thinking": false}`)},
+		{"/v1/chat/completions", chat(`"chat_template_kwargs": null`)},
 		{"/generate", samp(`"skip_special_tokens": true, "spaces_between_special_tokens": false, "min_new_tokens": 0, "no_stop_trim": false, "stream_interval": 4, "json_schema": null`)},
 		{"/generate", gen(`"return_hidden_states": false, "logprob_start_len": -1, "session_id": "s", "log_metrics": true, "lora_path": null`)},
 		{"/v1/completions", cmpl(`"best_of": 1, "echo": false, "suffix": "", "user": "u", "stream_options": {"include_usage": false, "include_obfuscation": true}`)},

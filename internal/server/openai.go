@@ -2,6 +2,7 @@ package server
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"reflect"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
+	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
 // defaultCompletionMaxTokens is OpenAI's default max_tokens for /v1/completions.
@@ -156,6 +158,9 @@ type chatRequest struct {
 	Logprobs            bool           `json:"logprobs"`
 	TopLogprobs         *int           `json:"top_logprobs"`
 	RID                 ridList        `json:"rid"`
+	// ChatTemplateKwargs are extra chat template variables, as SGLang and
+	// vLLM take them ({"enable_thinking": false} for Qwen3).
+	ChatTemplateKwargs map[string]any `json:"chat_template_kwargs"`
 	samplingFields
 	bootstrapFields
 }
@@ -169,7 +174,6 @@ var chatExtras = mergeRules(openaiExtras, fieldRules{
 	"prediction":         {why: "predicted outputs"},
 	"web_search_options": {why: "web search"},
 	"reasoning_effort":   {why: "reasoning control"}, "verbosity": {why: "verbosity control"},
-	"chat_template_kwargs":   {why: "chat template arguments"},
 	"continue_final_message": {accept: []string{"false"}},
 	"separate_reasoning":     {accept: []string{"false"}, why: "reasoning parsing"},
 	"stream_reasoning":       {info: true},
@@ -251,6 +255,7 @@ func jsonQuote(s string) string {
 type chatSpec struct {
 	openaiSpec
 	messages []ChatMessage
+	kwargs   map[string]any // chat_template_kwargs
 }
 
 func decodeChat(body []byte) (*chatSpec, *Error) {
@@ -263,6 +268,13 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 		return nil, badRequest("messages", "messages is empty")
 	case c.TopLogprobs != nil && (*c.TopLogprobs < 0 || *c.TopLogprobs > 20):
 		return nil, badRequest("top_logprobs", "top_logprobs must be in [0, 20], got %d", *c.TopLogprobs)
+	}
+	if err := tokenizer.CheckChatKwargs(c.ChatTemplateKwargs); err != nil {
+		var ke *tokenizer.ChatKwargError
+		if errors.As(err, &ke) {
+			return nil, badRequest("chat_template_kwargs."+ke.Name, "chat_template_kwargs.%s: %s", ke.Name, ke.Why)
+		}
+		return nil, badRequest("chat_template_kwargs", "chat_template_kwargs: %v", err)
 	}
 	msgs := make([]ChatMessage, 0, len(c.Messages))
 	for i, m := range c.Messages {
@@ -284,7 +296,7 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 	if maxTokens == nil {
 		maxTokens, maxName = c.MaxTokens, "max_tokens"
 	}
-	o := &chatSpec{messages: msgs}
+	o := &chatSpec{messages: msgs, kwargs: c.ChatTemplateKwargs}
 	o.model = c.Model
 	o.stream = c.Stream
 	o.includeUsage = c.StreamOptions != nil && c.StreamOptions.IncludeUsage
@@ -305,7 +317,7 @@ func decodeChat(body []byte) (*chatSpec, *Error) {
 // render applies the chat template. The template's text is encoded with a
 // BOS only if it does not begin with the BOS token's text already.
 func (s *Server) render(c *chatSpec) *Error {
-	text, err := s.cfg.ChatTemplate(c.messages)
+	text, err := s.cfg.ChatTemplate(c.messages, c.kwargs)
 	if err != nil {
 		return badRequest("messages", "applying the chat template: %v", err)
 	}

@@ -96,10 +96,12 @@ type Config struct {
 	Tokenizer Tokenizer
 
 	// ChatTemplate renders a conversation into a prompt for
-	// /v1/chat/completions. nil: tokenizer.ApplyChatTemplate when Tokenizer
-	// is a tokenizer.Tokenizer (the model's template, or the tokenizer's
-	// plain one), else PlainChatTemplate.
-	ChatTemplate func(msgs []ChatMessage) (string, error)
+	// /v1/chat/completions, with the request's chat_template_kwargs as extra
+	// template variables (nil when absent). nil:
+	// tokenizer.ApplyChatTemplateKwargs when Tokenizer is a
+	// tokenizer.Tokenizer (the model's template, or the tokenizer's plain
+	// one), else PlainChatTemplate.
+	ChatTemplate func(msgs []ChatMessage, kwargs map[string]any) (string, error)
 
 	ModelName     string // served model name; "" means ModelPath, or "default" when that is empty too
 	ModelPath     string // reported by /get_model_info and accepted as a model name
@@ -354,17 +356,17 @@ func (s *Server) routes() {
 	s.mux = mux
 }
 
-func defaultChatTemplate(t Tokenizer) func([]ChatMessage) (string, error) {
+func defaultChatTemplate(t Tokenizer) func([]ChatMessage, map[string]any) (string, error) {
 	tt, ok := t.(tokenizer.Tokenizer)
 	if !ok {
-		return PlainChatTemplate
+		return func(msgs []ChatMessage, _ map[string]any) (string, error) { return PlainChatTemplate(msgs) }
 	}
-	return func(msgs []ChatMessage) (string, error) {
+	return func(msgs []ChatMessage, kwargs map[string]any) (string, error) {
 		m := make([]tokenizer.Message, len(msgs))
 		for i, c := range msgs {
 			m[i] = tokenizer.Message{Role: c.Role, Content: c.Content}
 		}
-		return tokenizer.ApplyChatTemplate(tt, m)
+		return tokenizer.ApplyChatTemplateKwargs(tt, m, kwargs)
 	}
 }
 

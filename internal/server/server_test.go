@@ -426,11 +426,34 @@ func TestCompletions(t *testing.T) {
 	}
 }
 
+// TestChatTemplateKwargs: chat_template_kwargs reach the template as its
+// variables, as SGLang and vLLM pass them (Qwen3's enable_thinking).
+func TestChatTemplateKwargs(t *testing.T) {
+	gen := &servertest.Generator{}
+	var got map[string]any
+	tmpl := func(msgs []server.ChatMessage, kwargs map[string]any) (string, error) {
+		got = kwargs
+		return "chat:" + msgs[0].Content, nil
+	}
+	ts, _ := newServer(t, server.Config{Generator: gen, ChatTemplate: tmpl})
+	status, body := post(t, ts.URL+"/v1/chat/completions", `{"messages": [{"role": "user", "content": "Hi"}],
+		"max_tokens": 2, "chat_template_kwargs": {"enable_thinking": false, "n": 2}}`)
+	if status != 200 {
+		t.Fatalf("status %d: %s", status, body)
+	}
+	if v, ok := got["enable_thinking"].(bool); !ok || v || got["n"] != 2.0 || len(got) != 2 {
+		t.Fatalf("template kwargs %#v", got)
+	}
+}
+
 func TestChat(t *testing.T) {
 	gen := &servertest.Generator{}
 	var rendered []server.ChatMessage
-	tmpl := func(msgs []server.ChatMessage) (string, error) {
+	tmpl := func(msgs []server.ChatMessage, kwargs map[string]any) (string, error) {
 		rendered = msgs
+		if kwargs != nil {
+			return "", fmt.Errorf("kwargs %v without chat_template_kwargs", kwargs)
+		}
 		return "<s>chat:" + msgs[len(msgs)-1].Content, nil
 	}
 	ts, _ := newServer(t, server.Config{Generator: gen, ChatTemplate: tmpl})

@@ -1,7 +1,9 @@
 package tokenizer
 
 import (
+	"errors"
 	"fmt"
+	"sort"
 	"strings"
 	"sync"
 
@@ -17,7 +19,55 @@ type Message struct {
 // ApplyChatTemplate renders msgs for a chat completion, ending with the prompt for the
 // assistant's reply. See RenderChat.
 func ApplyChatTemplate(t Tokenizer, msgs []Message) (string, error) {
-	return RenderChat(t, msgs, true)
+	return renderChat(t, msgs, true, nil)
+}
+
+// ApplyChatTemplateKwargs is ApplyChatTemplate with extra template variables, as a chat
+// request's chat_template_kwargs gives them (SGLang and vLLM pass them to the template
+// the same way): {"enable_thinking": false} switches Qwen3's thinking off. A kwarg may
+// not redefine a variable the renderer sets (*ChatKwargError).
+func ApplyChatTemplateKwargs(t Tokenizer, msgs []Message, kwargs map[string]any) (string, error) {
+	return renderChat(t, msgs, true, kwargs)
+}
+
+// ErrChatKwarg marks chat template kwargs that cannot be used.
+var ErrChatKwarg = errors.New("tokenizer: chat template kwarg refused")
+
+// ChatKwargError names a refused chat template kwarg.
+type ChatKwargError struct {
+	Name, Why string
+}
+
+func (e *ChatKwargError) Error() string {
+	return fmt.Sprintf("tokenizer: chat template kwarg %q: %s", e.Name, e.Why)
+}
+
+func (e *ChatKwargError) Unwrap() error { return ErrChatKwarg }
+
+// reservedChatVar says whether the renderer sets template variable k, or k is tools or
+// documents, whose request fields have their own rules.
+func reservedChatVar(k string) bool {
+	switch k {
+	case "messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents":
+		return true
+	}
+	return false
+}
+
+// CheckChatKwargs reports the first kwarg (in name order) that may not be passed to a
+// chat template.
+func CheckChatKwargs(kwargs map[string]any) error {
+	names := make([]string, 0, len(kwargs))
+	for k := range kwargs {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		if reservedChatVar(k) {
+			return &ChatKwargError{Name: k, Why: "the server sets this template variable"}
+		}
+	}
+	return nil
 }
 
 // RenderChat renders msgs with the tokenizer's Jinja chat template (variables messages,
@@ -26,6 +76,13 @@ func ApplyChatTemplate(t Tokenizer, msgs []Message) (string, error) {
 // "assistant:" when addGenerationPrompt. A template that fails while rendering (for
 // example through raise_exception) is an error.
 func RenderChat(t Tokenizer, msgs []Message, addGenerationPrompt bool) (string, error) {
+	return renderChat(t, msgs, addGenerationPrompt, nil)
+}
+
+func renderChat(t Tokenizer, msgs []Message, addGenerationPrompt bool, kwargs map[string]any) (string, error) {
+	if err := CheckChatKwargs(kwargs); err != nil {
+		return "", err
+	}
 	src := t.ChatTemplate()
 	if src == "" {
 		return builtinChat(msgs, addGenerationPrompt), nil
@@ -57,12 +114,16 @@ func RenderChat(t Tokenizer, msgs []Message, addGenerationPrompt bool) (string, 
 			eos = t.TokenText(e[0])
 		}
 	}
-	out, err := tmpl.Render(map[string]any{
+	vars := map[string]any{
 		"messages":              list,
 		"add_generation_prompt": addGenerationPrompt,
 		"bos_token":             bos,
 		"eos_token":             eos,
-	})
+	}
+	for k, v := range kwargs {
+		vars[k] = v
+	}
+	out, err := tmpl.Render(vars)
 	if err != nil {
 		return "", fmt.Errorf("tokenizer: chat template: %w", err)
 	}

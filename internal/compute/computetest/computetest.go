@@ -1,5 +1,6 @@
-// Package computetest holds helpers for testing compute.Model backends
-// against each other and against themselves (batch invariance).
+// Package computetest is the conformance suite of compute.Model backends
+// (Run) and its helpers: batched runs, a float64 reference implementation
+// (Naive), error measures.
 package computetest
 
 import (
@@ -15,6 +16,11 @@ import (
 // or one greedy decode token. It returns per sequence the logits after its
 // prompt and after each of steps decode tokens.
 func RunBatch(tb testing.TB, b compute.Model, prompts [][]int32, chunks []int, steps, pagesPer int) [][][]float32 {
+	tb.Helper()
+	return runBatch(tb, b, prompts, chunks, steps, func(i int) []int32 { return PagesFor(i, pagesPer) })
+}
+
+func runBatch(tb testing.TB, b compute.Model, prompts [][]int32, chunks []int, steps int, pages func(int) []int32) [][][]float32 {
 	tb.Helper()
 	V := b.Config().Vocab
 	type state struct {
@@ -40,7 +46,7 @@ func RunBatch(tb testing.TB, b compute.Model, prompts [][]int32, chunks []int, s
 			} else {
 				toks = []int32{Argmax(s.logits[len(s.logits)-1])}
 			}
-			seqs = append(seqs, compute.Seq{Tokens: toks, Pos: s.pos, Pages: PagesFor(i, pagesPer), Logits: s.pos+len(toks) >= len(p)})
+			seqs = append(seqs, compute.Seq{Tokens: toks, Pos: s.pos, Pages: pages(i), Logits: s.pos+len(toks) >= len(p)})
 			idx = append(idx, i)
 		}
 		if len(seqs) == 0 {

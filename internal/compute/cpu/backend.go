@@ -1,7 +1,9 @@
 // Package cpu is the CPU backend of compute.Model: a batched float32 forward
 // pass over a paged KV pool in host memory, with AVX2/FMA kernels and a fixed
 // reduction order, so a sequence's result does not depend on the batch it
-// runs in, on how its prompt is chunked, or on the thread count.
+// runs in, on how its prompt is chunked, or on the thread count. Each layer
+// is composed from the model Spec's blocks (blocks.go); weights are read in
+// their stored dtype (float32, or bfloat16 / half widened in the kernels).
 package cpu
 
 import (
@@ -21,8 +23,7 @@ var _ compute.Model = (*Backend)(nil)
 // LayoutFor is the KV pool layout the CPU backend needs for cfg: float32
 // elements, pageSize tokens per page, pages pages.
 func LayoutFor(cfg model.Config, pageSize, pages int) kvcache.Layout {
-	return kvcache.Layout{Layers: cfg.Layers, PageSize: pageSize, KVHeads: cfg.KVHeads,
-		HeadDim: cfg.HeadDim, ElemBytes: 4, Pages: pages}
+	return cfg.KVLayout(pageSize, pages, 4)
 }
 
 // Backend runs a model on the CPU. Forward calls are serialised.
@@ -33,6 +34,10 @@ type Backend struct {
 	kv     []float32 // the pool's memory as float32
 	rope   *rope
 	team   *team
+	embed  wmat
+	norm   []float32
+	lmHead wmat
+	layers [][]block // per layer, the Spec's blocks in order
 	mu     sync.Mutex
 	s      scratch
 	closed bool
@@ -40,11 +45,15 @@ type Backend struct {
 
 // New makes a backend for m whose KV cache lives in pool (float32 elements,
 // layers, kv heads and head dim as in m). threads <= 0 means GOMAXPROCS.
+// The backend reads m's tensors in place: m must stay open while it runs.
 func New(m *model.Model, pool *kvcache.Pool, threads int) (*Backend, error) {
-	if m == nil || m.W == nil {
-		return nil, fmt.Errorf("cpu: no model")
+	if m == nil || !m.HasWeights() {
+		return nil, fmt.Errorf("cpu: no model weights")
 	}
 	c := m.Config
+	if c.Spec == nil {
+		return nil, fmt.Errorf("cpu: model has no architecture")
+	}
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
@@ -55,7 +64,7 @@ func New(m *model.Model, pool *kvcache.Pool, threads int) (*Backend, error) {
 	if err := l.Validate(); err != nil {
 		return nil, err
 	}
-	if l.ElemBytes != 4 || l.Layers != c.Layers || l.KVHeads != c.KVHeads || l.HeadDim != c.HeadDim {
+	if want := LayoutFor(c, l.PageSize, l.Pages); l != want {
 		return nil, fmt.Errorf("cpu: pool layout %+v does not fit the model (want float32, %d layers, %d kv heads, head dim %d)",
 			l, c.Layers, c.KVHeads, c.HeadDim)
 	}
@@ -69,8 +78,11 @@ func New(m *model.Model, pool *kvcache.Pool, threads int) (*Backend, error) {
 		m: m, cfg: c, pool: pool,
 		kv:   unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(pool.Mem))), len(pool.Mem)/4),
 		rope: newRope(&c),
-		team: newTeam(threads),
 	}
+	if err := b.build(); err != nil {
+		return nil, err
+	}
+	b.team = newTeam(threads)
 	b.s.init(b)
 	return b, nil
 }
@@ -80,9 +92,6 @@ func (b *Backend) Config() model.Config { return b.cfg }
 
 // Layout is the KV pool's layout.
 func (b *Backend) Layout() kvcache.Layout { return b.pool.Layout }
-
-// Threads is the number of threads a forward pass uses.
-func (b *Backend) Threads() int { return b.team.n }
 
 // Close stops the worker threads.
 func (b *Backend) Close() error {

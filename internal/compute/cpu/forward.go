@@ -3,23 +3,24 @@ package cpu
 import (
 	"context"
 	"fmt"
-	"math"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 )
 
 // scratch holds the activations of one forward pass, grown on demand and
-// reused, so steady-state decoding does not allocate.
+// reused, so steady-state decoding does not allocate. Buffers are indexed by
+// the token's place in the pass (MoE buffers by token x rank), so the
+// threads of a sequence-parallel pass write disjoint parts.
 type scratch struct {
 	tokens int         // capacity in tokens
 	x      []float32   // residual stream [tokens][Dim]
 	xb     []float32   // normed input [tokens][Dim]
-	xb2    []float32   // projection output [tokens][Dim]
+	xb2    []float32   // block output [tokens][Dim]
 	q      []float32   // [tokens][Heads*HeadDim]
 	k, v   []float32   // [tokens][KVHeads*HeadDim]
 	att    []float32   // attention output [tokens][Heads*HeadDim]
-	hb     []float32   // gate [tokens][HiddenDim]
-	hb2    []float32   // up [tokens][HiddenDim]
+	hb     []float32   // gate [tokens][max(HiddenDim, SharedExpertDim)]
+	hb2    []float32   // up, the same
 	pos    []int       // position of each token
 	seq    []int       // sequence of each token
 	slot   []int       // element offset of each token's KV entry inside a layer's K (or V) buffer
@@ -27,24 +28,51 @@ type scratch struct {
 	lx     []float32   // normed last tokens [m][Dim]
 	logits []float32   // [m][Vocab]
 
+	// Mixture of experts.
+	router []float32    // router logits [tokens][Experts]
+	topID  []int32      // chosen experts [tokens][TopK]
+	topW   []float32    // their weights
+	rowOf  []int        // gathered row of each (token, rank)
+	xe     []float32    // gathered inputs [tokens*TopK][Dim], by expert
+	he, hu []float32    // [tokens*TopK][ExpertDim]
+	ye     []float32    // expert outputs [tokens*TopK][Dim]
+	sh     []float32    // shared expert output [tokens][Dim]
+	sgate  []float32    // shared expert gate logit [tokens]
+	moe    []moeScratch // per thread
+
 	seqs  []compute.Seq
 	out   [][]float32
-	split []int // sequence-parallel pass: thread k's first sequence,
-	tok0  []int // token
-	row0  []int // and logits row
-	mm    matJob
+	split []int    // sequence-parallel pass: thread k's first sequence,
+	tok0  []int    // token
+	row0  []int    // and logits row
+	jobs  []matJob // per thread; row-split passes use jobs[0]
 	at    attnJob
 	mmFn  func(int)
 	atFn  func(int)
 	seqFn func(int)
 }
 
+// moeScratch is one thread's expert bookkeeping.
+type moeScratch struct {
+	count, start, next []int // per expert
+}
+
 func (s *scratch) init(b *Backend) {
-	s.scores = make([][]float32, b.team.n)
-	s.mmFn = s.mm.run
+	n := b.team.n
+	s.scores = make([][]float32, n)
+	s.jobs = make([]matJob, n)
+	s.moe = make([]moeScratch, n)
+	for k := range s.moe {
+		e := b.cfg.Experts
+		s.moe[k] = moeScratch{count: make([]int, e), start: make([]int, e), next: make([]int, e)}
+	}
+	s.mmFn = func(k int) { s.jobs[0].run(k) }
 	s.atFn = func(k int) { b.attentionPart(k) }
 	s.seqFn = func(k int) { b.seqPart(k) }
 }
+
+// job is thread k's matmul job.
+func (s *scratch) job(k int) *matJob { return &s.jobs[k] }
 
 func grow(buf []float32, n int) []float32 {
 	if cap(buf) < n {
@@ -59,6 +87,7 @@ func (b *Backend) growScratch(n, maxPos, m int) {
 	if n > s.tokens {
 		t := max(n, 2*s.tokens)
 		s.tokens = t
+		hid := max(c.HiddenDim, c.SharedExpertDim)
 		s.x = make([]float32, t*c.Dim)
 		s.xb = make([]float32, t*c.Dim)
 		s.xb2 = make([]float32, t*c.Dim)
@@ -66,11 +95,26 @@ func (b *Backend) growScratch(n, maxPos, m int) {
 		s.att = make([]float32, t*c.Heads*c.HeadDim)
 		s.k = make([]float32, t*c.KVHeads*c.HeadDim)
 		s.v = make([]float32, t*c.KVHeads*c.HeadDim)
-		s.hb = make([]float32, t*c.HiddenDim)
-		s.hb2 = make([]float32, t*c.HiddenDim)
+		s.hb = make([]float32, t*hid)
+		s.hb2 = make([]float32, t*hid)
 		s.pos = make([]int, t)
 		s.seq = make([]int, t)
 		s.slot = make([]int, t)
+		if c.Experts > 0 {
+			tk := t * c.TopK
+			s.router = make([]float32, t*c.Experts)
+			s.topID = make([]int32, tk)
+			s.topW = make([]float32, tk)
+			s.rowOf = make([]int, tk)
+			s.xe = make([]float32, tk*c.Dim)
+			s.he = make([]float32, tk*c.ExpertDim)
+			s.hu = make([]float32, tk*c.ExpertDim)
+			s.ye = make([]float32, tk*c.Dim)
+			if c.SharedExpertDim > 0 {
+				s.sh = make([]float32, t*c.Dim)
+				s.sgate = make([]float32, t)
+			}
+		}
 	}
 	for k := range s.scores {
 		if len(s.scores[k]) < maxPos+8 {
@@ -142,7 +186,7 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 			p := sq.Pos + j
 			s.pos[t], s.seq[t] = p, i
 			s.slot[t] = int(sq.Pages[p/l.PageSize])*pageElems + (p%l.PageSize)*kvd
-			copy(s.x[t*dim:(t+1)*dim], b.m.W.Embed[int(tok)*dim:(int(tok)+1)*dim])
+			b.embed.row(int(tok), s.x[t*dim:(t+1)*dim])
 			t++
 		}
 	}
@@ -155,14 +199,14 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		b.team.run(parts, s.seqFn)
 		return ctx.Err()
 	}
-	for li := range b.m.W.Layers {
+	for li := range b.layers {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
 		b.layer(li, 0, n, 0, b.team)
 		layerDone(seqs, li)
 	}
-	b.logits(0, len(seqs), 0, 0, b.team)
+	b.logits(0, len(seqs), 0, 0, 0, b.team)
 	return nil
 }
 
@@ -221,91 +265,26 @@ func (b *Backend) seqPart(k int) {
 	if t0 == t1 {
 		return
 	}
-	for li := range b.m.W.Layers {
+	for li := range b.layers {
 		b.layer(li, t0, t1, k, nil)
 		layerDone(s.seqs[s.split[k]:s.split[k+1]], li)
 	}
-	b.logits(s.split[k], s.split[k+1], t0, s.row0[k], nil)
+	b.logits(s.split[k], s.split[k+1], t0, s.row0[k], k, nil)
 }
 
-// layer runs layer li for tokens [t0, t1): split across tm, or all on
-// thread k when tm is nil.
+// layer runs layer li's blocks for tokens [t0, t1): split across tm, or
+// all on thread k when tm is nil.
 func (b *Backend) layer(li, t0, t1, k int, tm *team) {
-	c := &b.cfg
-	l := &b.pool.Layout
-	s := &b.s
-	w := &b.m.W.Layers[li]
-	n := t1 - t0
-	dim, qd, kvd, hd := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
-	x := s.x[t0*dim : t1*dim]
-	xb := s.xb[t0*dim : t1*dim]
-	xb2 := s.xb2[t0*dim : t1*dim]
-	q := s.q[t0*qd : t1*qd]
-	kk := s.k[t0*kvd : t1*kvd]
-	v := s.v[t0*kvd : t1*kvd]
-	att := s.att[t0*qd : t1*qd]
-	hb := s.hb[t0*hd : t1*hd]
-	hb2 := s.hb2[t0*hd : t1*hd]
-	var local matJob
-	mm := &local
-	if tm != nil {
-		mm = &s.mm
+	for _, blk := range b.layers[li] {
+		blk.run(b, li, t0, t1, k, tm)
 	}
-	for t := 0; t < n; t++ {
-		rmsnorm(xb[t*dim:(t+1)*dim], x[t*dim:(t+1)*dim], w.AttnNorm, c.NormEps)
-	}
-	mm.set(xb, n, dim)
-	mm.add(w.WQ, qd, q, w.BQ)
-	mm.add(w.WK, kvd, kk, w.BK)
-	mm.add(w.WV, kvd, v, w.BV)
-	b.matmul(mm, tm)
-	mm.bias()
-	pageElems := l.PageSize * kvd
-	layerElems := l.Pages * pageElems
-	kBase := (2 * li) * layerElems
-	vBase := kBase + layerElems
-	for t := t0; t < t1; t++ {
-		qt := s.q[t*qd : (t+1)*qd]
-		kt := s.k[t*kvd : (t+1)*kvd]
-		b.rope.apply(qt, c.Heads, s.pos[t])
-		b.rope.apply(kt, c.KVHeads, s.pos[t])
-		copy(b.kv[kBase+s.slot[t]:kBase+s.slot[t]+kvd], kt)
-		copy(b.kv[vBase+s.slot[t]:vBase+s.slot[t]+kvd], s.v[t*kvd:(t+1)*kvd])
-	}
-	if tm != nil {
-		work := 0
-		for t := t0; t < t1; t++ {
-			work += (s.pos[t] + 1) * 2 * qd
-		}
-		s.at = attnJob{t0: t0, n: n, kBase: kBase, vBase: vBase, pageElems: pageElems, parts: tm.parts(work)}
-		tm.run(s.at.parts, s.atFn)
-	} else {
-		a := attnJob{t0: t0, n: n, kBase: kBase, vBase: vBase, pageElems: pageElems, parts: 1}
-		b.attend(&a, k, 0, n*c.KVHeads)
-	}
-	mm.set(att, n, qd)
-	mm.add(w.WO, dim, xb2, nil)
-	b.matmul(mm, tm)
-	addTo(x, xb2)
-
-	for t := 0; t < n; t++ {
-		rmsnorm(xb[t*dim:(t+1)*dim], x[t*dim:(t+1)*dim], w.FFNNorm, c.NormEps)
-	}
-	mm.set(xb, n, dim)
-	mm.add(w.W1, hd, hb, nil)
-	mm.add(w.W3, hd, hb2, nil)
-	b.matmul(mm, tm)
-	for t := 0; t < n; t++ {
-		siluMul(hb[t*hd:(t+1)*hd], hb2[t*hd:(t+1)*hd])
-	}
-	mm.set(hb, n, hd)
-	mm.add(w.W2, dim, xb2, nil)
-	b.matmul(mm, tm)
-	addTo(x, xb2)
 }
 
 // matmul runs mm across tm, or whole on the calling thread when tm is nil.
 func (b *Backend) matmul(mm *matJob, tm *team) {
+	if len(mm.mats) == 0 {
+		return
+	}
 	if tm == nil {
 		mm.parts = 1
 		mm.run(0)
@@ -316,7 +295,7 @@ func (b *Backend) matmul(mm *matJob, tm *team) {
 
 // logits computes the logits of sequences [i0, i1), whose tokens start at
 // t0, into logits rows from r0 on, and copies them out.
-func (b *Backend) logits(i0, i1, t0, r0 int, tm *team) {
+func (b *Backend) logits(i0, i1, t0, r0, k int, tm *team) {
 	c := &b.cfg
 	s := &b.s
 	dim := c.Dim
@@ -324,94 +303,23 @@ func (b *Backend) logits(i0, i1, t0, r0 int, tm *team) {
 	for _, sq := range s.seqs[i0:i1] {
 		t += len(sq.Tokens)
 		if sq.Logits {
-			rmsnorm(s.lx[r*dim:(r+1)*dim], s.x[(t-1)*dim:t*dim], b.m.W.Norm, c.NormEps)
+			rmsnorm(s.lx[r*dim:(r+1)*dim], s.x[(t-1)*dim:t*dim], b.norm, c.NormEps)
 			r++
 		}
 	}
 	if r == r0 {
 		return
 	}
-	var local matJob
-	mm := &local
-	if tm != nil {
-		mm = &s.mm
-	}
-	mm.set(s.lx[r0*dim:r*dim], r-r0, dim)
-	mm.add(b.m.W.LMHead, c.Vocab, s.logits[r0*c.Vocab:r*c.Vocab], nil)
+	mm := s.job(k)
+	mm.reset()
+	mm.set(s.lx[r0*dim:r*dim], r-r0)
+	mm.add(&b.lmHead, s.logits[r0*c.Vocab:r*c.Vocab], nil)
 	b.matmul(mm, tm)
 	r = r0
 	for i := i0; i < i1; i++ {
 		if s.seqs[i].Logits {
 			copy(s.out[i][:c.Vocab], s.logits[r*c.Vocab:(r+1)*c.Vocab])
 			r++
-		}
-	}
-}
-
-// rmsnorm writes o = w * (x / rms(x)).
-func rmsnorm(o, x, w []float32, eps float32) {
-	ss := dot(x, x)/float32(len(x)) + eps
-	sc := float32(1 / math.Sqrt(float64(ss)))
-	o = o[:len(x)]
-	w = w[:len(x)]
-	for i, v := range x {
-		o[i] = w[i] * (sc * v)
-	}
-}
-
-func addTo(dst, src []float32) {
-	src = src[:len(dst)]
-	for i := range dst {
-		dst[i] += src[i]
-	}
-}
-
-// attnJob is one layer's attention over all tokens of a forward pass.
-type attnJob struct {
-	t0, n        int
-	kBase, vBase int
-	pageElems    int
-	parts        int
-}
-
-// attentionPart computes thread k's share of (token, kv head) pairs: for
-// each query head of the group, scores over positions 0..pos in order, a
-// softmax, and the weighted sum of values in position order.
-func (b *Backend) attentionPart(k int) {
-	a := &b.s.at
-	lo, hi := span(k, a.parts, a.n*b.cfg.KVHeads)
-	b.attend(a, k, lo, hi)
-}
-
-// attend computes tasks [lo, hi) of a on thread k.
-func (b *Backend) attend(a *attnJob, k, lo, hi int) {
-	c := &b.cfg
-	s := &b.s
-	hd, kvd, qd := c.HeadDim, c.KVHeads*c.HeadDim, c.Heads*c.HeadDim
-	ps := b.pool.PageSize
-	group := c.Heads / c.KVHeads
-	scale := float32(math.Sqrt(float64(hd)))
-	sc := s.scores[k]
-	for task := lo; task < hi; task++ {
-		t, g := a.t0+task/c.KVHeads, task%c.KVHeads
-		npos := s.pos[t] + 1
-		pages := s.seqs[s.seq[t]].Pages
-		sc := sc[:cap(sc)]
-		for h := g * group; h < (g+1)*group; h++ {
-			q := s.q[t*qd+h*hd : t*qd+(h+1)*hd]
-			for pi := 0; pi*ps < npos; pi++ {
-				cnt := min(ps, npos-pi*ps)
-				off := a.kBase + int(pages[pi])*a.pageElems + g*hd
-				attnScores(q, b.kv[off:], kvd, cnt, hd, sc[pi*ps:])
-			}
-			softmax(sc, npos, scale)
-			o := s.att[t*qd+h*hd : t*qd+(h+1)*hd]
-			clear(o)
-			for pi := 0; pi*ps < npos; pi++ {
-				cnt := min(ps, npos-pi*ps)
-				off := a.vBase + int(pages[pi])*a.pageElems + g*hd
-				attnAccum(sc[pi*ps:], b.kv[off:], kvd, cnt, hd, o)
-			}
 		}
 	}
 }

@@ -10,6 +10,11 @@
 // acc), starting from +0), the last partial chunk loaded with a mask (zeros
 // beyond n), then the lanes folded as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7))
 // (the VHADDPS tree).
+//
+// The bf and hf variants (gemmRxTbf, gemmRxThf) read w as bfloat16 or IEEE
+// half and widen each 8-element chunk to float32 exactly before the same
+// multiply-adds, so they give the bits the float32 kernels give on the
+// widened weights. They need n to be a multiple of 8 (no tail).
 package main
 
 import (
@@ -22,7 +27,9 @@ var b strings.Builder
 
 func p(format string, a ...any) { fmt.Fprintf(&b, "\t"+format+"\n", a...) }
 
-func gen(R, T int) {
+// wtype is the weights' element type: "" (float32), "bf" or "hf".
+func gen(R, T int, wt string) {
+	half := wt != ""
 	rowRegs := []string{"SI", "R8", "R9", "R10", "R11", "R12", "R13", "AX"}[:R]
 	var xRegs []string
 	if R == 8 {
@@ -31,17 +38,24 @@ func gen(R, T int) {
 		xRegs = []string{"DI", "R11", "R12"}[:T]
 	}
 	acc := func(r, t int) string { return fmt.Sprintf("Y%d", r*T+t) }
-	memW := T == 1 // w as a memory operand
+	memW := T == 1 && !half // w as a memory operand
 	xr := func(t int) string { return fmt.Sprintf("Y%d", R*T+t) }
 	wr := fmt.Sprintf("Y%d", R*T+T)
-	if memW {
+	if T == 1 {
 		wr = "Y15"
 	}
-	fmt.Fprintf(&b, "\n// func gemm%dx%d(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int)\n", R, T)
-	fmt.Fprintf(&b, "TEXT ·gemm%dx%d(SB), NOSPLIT, $0-56\n", R, T)
+	wty := "float32"
+	wshift := 2
+	// In the loop BX is the byte offset into w; x's is BX*xscale.
+	xscale := 1
+	if half {
+		wty, wshift, xscale = "uint16", 1, 2
+	}
+	fmt.Fprintf(&b, "\n// func gemm%dx%d%s(w *%s, ldw int, x *float32, ldx int, n int, out *float32, ldo int)\n", R, T, wt, wty)
+	fmt.Fprintf(&b, "TEXT ·gemm%dx%d%s(SB), NOSPLIT, $0-56\n", R, T, wt)
 	p("MOVQ w+0(FP), SI")
 	p("MOVQ ldw+8(FP), DX")
-	p("SHLQ $2, DX")
+	p("SHLQ $%d, DX", wshift)
 	for i := 1; i < R; i++ {
 		p("LEAQ (%s)(DX*1), %s", rowRegs[i-1], rowRegs[i])
 	}
@@ -59,26 +73,42 @@ func gen(R, T int) {
 	p("MOVQ n+32(FP), CX")
 	p("MOVQ CX, DX")
 	p("ANDQ $-8, DX")
-	p("SHLQ $2, DX")
+	p("SHLQ $%d, DX", wshift)
 	p("XORQ BX, BX")
 	fmt.Fprintf(&b, "loop:\n")
 	p("CMPQ BX, DX")
-	p("JGE tail")
+	if half {
+		p("JGE reduce")
+	} else {
+		p("JGE tail")
+	}
 	for t := 0; t < T; t++ {
-		p("VMOVUPS (%s)(BX*1), %s", xRegs[t], xr(t))
+		p("VMOVUPS (%s)(BX*%d), %s", xRegs[t], xscale, xr(t))
 	}
 	for r := 0; r < R; r++ {
 		if memW {
 			p("VFMADD231PS (%s)(BX*1), %s, %s", rowRegs[r], xr(0), acc(r, 0))
 			continue
 		}
-		p("VMOVUPS (%s)(BX*1), %s", rowRegs[r], wr)
+		switch wt {
+		case "bf":
+			p("VPMOVZXWD (%s)(BX*1), %s", rowRegs[r], wr)
+			p("VPSLLD $16, %s, %s", wr, wr)
+		case "hf":
+			p("VCVTPH2PS (%s)(BX*1), %s", rowRegs[r], wr)
+		default:
+			p("VMOVUPS (%s)(BX*1), %s", rowRegs[r], wr)
+		}
 		for t := 0; t < T; t++ {
 			p("VFMADD231PS %s, %s, %s", xr(t), wr, acc(r, t))
 		}
 	}
-	p("ADDQ $32, BX")
+	p("ADDQ $%d, BX", 8<<wshift)
 	p("JMP loop")
+	if half {
+		reduce(R, T, acc)
+		return
+	}
 	fmt.Fprintf(&b, "tail:\n")
 	p("ANDQ $7, CX")
 	p("JZ reduce")
@@ -100,11 +130,15 @@ func gen(R, T int) {
 			p("VFMADD231PS %s, %s, %s", xr(t), wr, acc(r, t))
 		}
 	}
+	reduce(R, T, acc)
+}
+
+// reduce folds the accumulators and stores the outputs.
+func reduce(R, T int, acc func(r, t int) string) {
 	fmt.Fprintf(&b, "reduce:\n")
 	p("MOVQ out+40(FP), DI")
 	p("MOVQ ldo+48(FP), DX")
 	p("SHLQ $2, DX")
-	tmp := "Y15"
 	xtmp := "X15"
 	for t := 0; t < T; t++ {
 		if t > 0 {
@@ -131,7 +165,6 @@ func gen(R, T int) {
 			p("VMOVUPS %s, %d(DI)", xa, 16*g)
 		}
 	}
-	_ = tmp
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -146,8 +179,10 @@ func main() {
 		fmt.Fprintf(&b, "DATA gemmmask<>+%d(SB)/4, $%s\n", 4*i, v)
 	}
 	b.WriteString("GLOBL gemmmask<>(SB), RODATA|NOPTR, $64\n")
-	for _, k := range [][2]int{{4, 3}, {4, 2}, {4, 1}, {8, 1}, {1, 1}} {
-		gen(k[0], k[1])
+	for _, wt := range []string{"", "bf", "hf"} {
+		for _, k := range [][2]int{{4, 3}, {4, 2}, {4, 1}, {8, 1}, {1, 1}} {
+			gen(k[0], k[1], wt)
+		}
 	}
 	os.Stdout.WriteString(b.String())
 }

@@ -2,8 +2,12 @@ package cpu
 
 import "golang.org/x/sys/cpu"
 
-// hasAVX2 selects the assembly kernels (AVX2 + FMA).
-var hasAVX2 = cpu.X86.HasAVX2 && cpu.X86.HasFMA
+// hasAVX2 selects the assembly kernels (AVX2 + FMA); hasF16C their IEEE
+// half weights.
+var (
+	hasAVX2 = cpu.X86.HasAVX2 && cpu.X86.HasFMA
+	hasF16C = cpu.X86.HasF16C
+)
 
 //go:noescape
 func dot1AVX2(a, b *float32, n int) float32
@@ -43,3 +47,36 @@ func gemm8x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo 
 
 //go:noescape
 func gemm1x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+// The same with bfloat16 (bf) or IEEE half (hf) weights, widened exactly;
+// n must be a multiple of 8.
+
+//go:noescape
+func gemm4x3bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm4x2bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm4x1bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm8x1bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm1x1bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm4x3hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm4x2hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm4x1hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm8x1hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)
+
+//go:noescape
+func gemm1x1hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int)

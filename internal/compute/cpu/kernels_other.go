@@ -2,7 +2,10 @@
 
 package cpu
 
-var hasAVX2 = false
+var (
+	hasAVX2 = false
+	hasF16C = false
+)
 
 func dot1AVX2(a, b *float32, n int) float32                                { panic("unreachable") }
 func dotRows4AVX2(w *float32, stride int, x *float32, n int, out *float32) { panic("unreachable") }
@@ -25,5 +28,35 @@ func gemm8x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo 
 	panic("unreachable")
 }
 func gemm1x1(w *float32, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x3bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x2bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x1bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm8x1bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm1x1bf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x3hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x2hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm4x1hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm8x1hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
+	panic("unreachable")
+}
+func gemm1x1hf(w *uint16, ldw int, x *float32, ldx int, n int, out *float32, ldo int) {
 	panic("unreachable")
 }

@@ -4,6 +4,8 @@ import (
 	"math"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
 func randVec(r *rand.Rand, n int) []float32 {
@@ -137,7 +139,9 @@ func TestSoftmaxSilu(t *testing.T) {
 }
 
 // TestGemmKernels checks that every microkernel gives each (row, token)
-// the same bits as the 1x1 kernel, and values close to float64.
+// the same bits as the 1x1 kernel, values close to float64, and that the
+// bfloat16 and half kernels give the float32 kernels' bits on the widened
+// weights.
 func TestGemmKernels(t *testing.T) {
 	if !hasAVX2 {
 		t.Skip("no AVX2")
@@ -148,17 +152,8 @@ func TestGemmKernels(t *testing.T) {
 			for _, rows := range []int{1, 3, 4, 5, 8, 12, 13} {
 				w := randVec(r, rows*in)
 				x := randVec(r, n*in)
-				got := make([]float32, n*rows)
-				for r0 := 0; r0 < rows; {
-					nr := rows - r0
-					if nr >= 8 {
-						nr = 8
-					} else if nr >= 4 {
-						nr = 4
-					}
-					matRows(w, in, x, n, got, rows, r0, nr)
-					r0 += nr
-				}
+				f32 := wmat{dt: model.F32, f32: w, rows: rows, in: in}
+				got := mulAll(&f32, x, n)
 				for row := 0; row < rows; row++ {
 					for tk := 0; tk < n; tk++ {
 						var one float32
@@ -171,12 +166,64 @@ func TestGemmKernels(t *testing.T) {
 						if math.Abs(float64(g)-want) > 1e-5*math.Sqrt(float64(in))*4 {
 							t.Fatalf("in=%d: %v, want %v", in, g, want)
 						}
-						if d := dotLanes(w[row*in:(row+1)*in], x[tk*in:(tk+1)*in]); math.Abs(float64(d)-want) > 1e-5*math.Sqrt(float64(in))*4 {
-							t.Fatalf("in=%d: dotLanes %v, want %v", in, d, want)
+						if d := dotRowGo(&f32, row, x[tk*in:(tk+1)*in]); math.Abs(float64(d)-want) > 1e-5*math.Sqrt(float64(in))*4 {
+							t.Fatalf("in=%d: dotRowGo %v, want %v", in, d, want)
+						}
+					}
+				}
+				if in%8 != 0 {
+					continue
+				}
+				for _, dt := range []model.DType{model.BF16, model.F16} {
+					if dt == model.F16 && !hasF16C {
+						continue
+					}
+					u := make([]uint16, len(w))
+					wide := make([]float32, len(w))
+					for i, v := range w {
+						u[i], wide[i] = to16(dt, v)
+					}
+					h := wmat{dt: dt, u16: u, rows: rows, in: in}
+					g16 := mulAll(&h, x, n)
+					g32 := mulAll(&wmat{dt: model.F32, f32: wide, rows: rows, in: in}, x, n)
+					if !sameBits(g16, g32) {
+						t.Fatalf("%v in=%d n=%d rows=%d: 16-bit kernels differ from float32 on the widened weights", dt, in, n, rows)
+					}
+					for row := 0; row < rows; row++ {
+						want := dot64(wide[row*in:(row+1)*in], x[:in])
+						if d := dotRowGo(&h, row, x[:in]); math.Abs(float64(d)-want) > 1e-5*math.Sqrt(float64(in))*4 {
+							t.Fatalf("%v in=%d: dotRowGo %v, want %v", dt, in, d, want)
 						}
 					}
 				}
 			}
 		}
 	}
+}
+
+// mulAll multiplies x [n][in] by w through matRows in 8-, 4- and smaller
+// row groups, as a matJob would.
+func mulAll(w *wmat, x []float32, n int) []float32 {
+	out := make([]float32, n*w.rows)
+	for r0 := 0; r0 < w.rows; {
+		nr := w.rows - r0
+		if nr >= 8 {
+			nr = 8
+		} else if nr >= 4 {
+			nr = 4
+		}
+		matRows(w, x, n, out, r0, nr)
+		r0 += nr
+	}
+	return out
+}
+
+// to16 rounds v to dt and returns its bits and its exact widening.
+func to16(dt model.DType, v float32) (uint16, float32) {
+	if dt == model.BF16 {
+		h := model.F32ToBF16(v)
+		return h, model.BF16ToF32(h)
+	}
+	h := model.F32ToF16(v)
+	return h, model.F16ToF32(h)
 }

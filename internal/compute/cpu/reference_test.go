@@ -24,8 +24,8 @@ func TestReference(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if hf.Config.RopeInterleaved || !l2c.Config.RopeInterleaved {
-		t.Fatalf("rope conventions: llama2.c %v, hf %v", l2c.Config.RopeInterleaved, hf.Config.RopeInterleaved)
+	if hf.Config.Spec.Attention.Rope != model.RopeHalf || l2c.Config.Spec.Attention.Rope != model.RopeInterleaved {
+		t.Fatalf("rope conventions: llama2.c %v, hf %v", l2c.Config.Spec.Attention.Rope, hf.Config.Spec.Attention.Rope)
 	}
 	first := map[string][][]float32{}
 	for _, tc := range []struct {

@@ -16,27 +16,7 @@ type rope struct {
 }
 
 func newRope(c *model.Config) *rope {
-	half := c.HeadDim / 2
-	r := &rope{half: half, interleaved: c.RopeInterleaved, invFreq: make([]float64, half)}
-	for i := range r.invFreq {
-		r.invFreq[i] = 1 / math.Pow(c.RopeTheta, float64(2*i)/float64(c.HeadDim))
-	}
-	if s := c.RopeScaling; s != nil && s.Type == "llama3" {
-		lowWavelen := float64(s.OriginalMaxPositionEmbeddings) / s.LowFreqFactor
-		highWavelen := float64(s.OriginalMaxPositionEmbeddings) / s.HighFreqFactor
-		for i, f := range r.invFreq {
-			wavelen := 2 * math.Pi / f
-			switch {
-			case wavelen < highWavelen:
-			case wavelen > lowWavelen:
-				r.invFreq[i] = f / s.Factor
-			default:
-				smooth := (float64(s.OriginalMaxPositionEmbeddings)/wavelen - s.LowFreqFactor) / (s.HighFreqFactor - s.LowFreqFactor)
-				r.invFreq[i] = (1-smooth)*f/s.Factor + smooth*f
-			}
-		}
-	}
-	return r
+	return &rope{half: c.HeadDim / 2, interleaved: c.Spec.Attention.Rope == model.RopeInterleaved, invFreq: c.InvFreq()}
 }
 
 // ensure grows the tables to cover positions below n.

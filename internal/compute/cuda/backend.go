@@ -159,7 +159,7 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if c.HeadDim%8 != 0 {
 		return nil, fmt.Errorf("cuda backend: head dim %d is not a multiple of 8", c.HeadDim)
 	}
-	if !opts.RandomWeights && m.W == nil {
+	if !opts.RandomWeights && !m.HasWeights() {
 		return nil, errors.New("cuda backend: model has no weights (and RandomWeights is off)")
 	}
 	if opts.DType == "" || opts.DType == "auto" {

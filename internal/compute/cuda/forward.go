@@ -12,6 +12,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/cublas"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
 // dbuf is a device buffer grown on demand.
@@ -393,7 +394,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	nb := uint32(n)
 	hd := c.HeadDim
 	interleaved := int32(0)
-	if c.RopeInterleaved {
+	if c.Spec.Attention.Rope == model.RopeInterleaved {
 		interleaved = 1
 	}
 	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)

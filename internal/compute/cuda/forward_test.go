@@ -121,7 +121,7 @@ func TestVsCPU(t *testing.T) {
 // headDim128 is a small random model with the 8B shape's head dim, GQA 4,
 // llama3 RoPE scaling and half-split RoPE: it runs the tensor-core prefill.
 func headDim128(t *testing.T) *model.Model {
-	c := model.Config{Arch: "LlamaForCausalLM", Dim: 256, HiddenDim: 512, Layers: 2, Heads: 8, KVHeads: 2, HeadDim: 128,
+	c := model.Config{Spec: model.MustSpec("LlamaForCausalLM"), Dim: 256, HiddenDim: 512, Layers: 2, Heads: 8, KVHeads: 2, HeadDim: 128,
 		Vocab: 320, MaxSeqLen: 4096, RopeTheta: 500000, NormEps: 1e-5, BOS: -1, DType: "float32",
 		RopeScaling: &model.RopeScaling{Type: "llama3", Factor: 8, LowFreqFactor: 1, HighFreqFactor: 4, OriginalMaxPositionEmbeddings: 256}}
 	r := rand.New(rand.NewPCG(3, 4))
@@ -148,7 +148,12 @@ func headDim128(t *testing.T) *model.Model {
 			WQ: mat(c.Heads*c.HeadDim, c.Dim), WK: mat(c.KVHeads*c.HeadDim, c.Dim), WV: mat(c.KVHeads*c.HeadDim, c.Dim),
 			WO: mat(c.Dim, c.Heads*c.HeadDim), W1: mat(c.HiddenDim, c.Dim), W3: mat(c.HiddenDim, c.Dim), W2: mat(c.Dim, c.HiddenDim)})
 	}
-	return &model.Model{Config: c, W: w, Random: true}
+	m, err := model.FromWeights(c, w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Random = true
+	return m
 }
 
 // TestFlashPrefill checks the tensor-core prefill (bf16, head dim 128,

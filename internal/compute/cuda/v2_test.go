@@ -114,7 +114,7 @@ func TestHFvsTorch(t *testing.T) {
 	pagesPer := (8192+64)/64 + 1
 	b := newOrSkip(t, m, Options{PageSize: 64, Pages: 32 * pagesPer})
 	tUp := time.Since(t1)
-	m.W = nil
+	m.Close()
 	runtime.GC()
 	t.Logf("model.LoadHF (bf16 -> f32 on the host): %v; upload to the GPU (f32 -> bf16): %v", tLoad, tUp)
 	V := cfg.Vocab

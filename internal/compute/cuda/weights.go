@@ -79,7 +79,10 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 	}
 	var hw *model.Weights
 	if !b.opts.RandomWeights {
-		hw = m.W
+		var err error
+		if hw, err = m.Float32Weights(); err != nil {
+			return fmt.Errorf("cuda backend: %w", err)
+		}
 		if len(hw.Layers) != c.Layers {
 			return fmt.Errorf("cuda backend: %d layers of weights, config says %d", len(hw.Layers), c.Layers)
 		}
@@ -109,7 +112,7 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 		if l.ffnNorm, err = vec(c.Dim, h.FFNNorm, true); err != nil {
 			return err
 		}
-		if c.QKVBias {
+		if c.Spec.Attention.QKVBias {
 			var bias []float32
 			if hw != nil {
 				bias = append(append(append(make([]float32, 0, qd+2*kvd), h.BQ...), h.BK...), h.BV...)
