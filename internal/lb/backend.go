@@ -19,6 +19,7 @@ import (
 // backend is one prefill or decode server.
 type backend struct {
 	role     string // "prefill" or "decode"
+	id       int    // place in its role's list
 	url      *url.URL
 	healthy  atomic.Bool
 	inflight atomic.Int64
@@ -42,7 +43,7 @@ func (l *load) full() bool {
 	return l != nil && (l.Queued > 0 || (l.PagesTotal > 0 && l.PagesFree <= 0))
 }
 
-func newBackend(role, raw string) (*backend, error) {
+func newBackend(role string, id int, raw string) (*backend, error) {
 	u, err := url.Parse(raw)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("--%s %q: want http://host:port", role, raw)
@@ -53,7 +54,7 @@ func newBackend(role, raw string) (*backend, error) {
 		}
 	}
 	u.Path = ""
-	return &backend{role: role, url: u}, nil
+	return &backend{role: role, id: id, url: u}, nil
 }
 
 func (b *backend) String() string { return b.url.String() }
