@@ -71,10 +71,11 @@ func (c *CacheAwareConfig) Validate() error {
 // approximate tree of the prompts routed to it (not of what it really
 // holds), matched on the prompt's bytes as sent, so the LB neither decodes
 // nor tokenizes. A request goes to the server with the longest match when
-// the match is over CacheThreshold of the prompt, else to the least loaded
-// (fewest in flight, then the smallest tree: the most room for a new
-// prefix); when the servers are imbalanced, to the least loaded. The
-// prompt is then recorded in the chosen server's tree.
+// the match is over CacheThreshold of the prompt, else to the one with the
+// smallest tree (the most room for a new prefix: new prefixes spread
+// evenly, whatever the momentary loads); when the servers are imbalanced,
+// or the request has no prompt, to the least loaded. The prompt is then recorded in the chosen server's
+// tree.
 type cacheAware struct {
 	cfg   CacheAwareConfig
 	trees []*prefixTree // by Candidate.ID
@@ -98,7 +99,7 @@ func newCacheAware(env PolicyEnv) (Policy, error) {
 	role := prometheus.Labels{"role": env.Role}
 	decisions := prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "mooncake_lb_cache_aware_decisions_total", ConstLabels: role,
-		Help: "cache_aware's choices: hit (the server sent the longest prefix, over --cache-threshold of the prompt), miss (the least loaded: no such prefix), balance (the least loaded: the servers' loads were too far apart).",
+		Help: "cache_aware's choices: hit (the server sent the longest prefix, over --cache-threshold of the prompt), miss (no such prefix: the server with the smallest record), balance (the servers' loads were too far apart: the least loaded).",
 	}, []string{"decision"})
 	c.hit, c.miss, c.balance = decisions.WithLabelValues("hit"), decisions.WithLabelValues("miss"), decisions.WithLabelValues("balance")
 	c.promptBytes = prometheus.NewCounter(prometheus.CounterOpts{
@@ -157,11 +158,14 @@ func (c *cacheAware) Pick(cands []Candidate, key []byte) int {
 	case hi-lo > int64(c.cfg.BalanceAbsThreshold) && float64(hi) > float64(lo)*c.cfg.BalanceRelThreshold:
 		pick = c.leastLoaded(cands)
 		c.balance.Inc()
-	case len(key) > 0 && float64(bestLen) > c.cfg.CacheThreshold*float64(len(key)):
+	case len(key) == 0: // nothing to place
+		pick = c.leastLoaded(cands)
+		c.miss.Inc()
+	case float64(bestLen) > c.cfg.CacheThreshold*float64(len(key)):
 		pick = best
 		c.hit.Inc()
 	default:
-		pick = c.leastLoaded(cands)
+		pick = c.smallestTree(cands)
 		c.miss.Inc()
 	}
 	c.promptBytes.Add(float64(len(key)))
@@ -177,6 +181,19 @@ func (c *cacheAware) leastLoaded(cands []Candidate) int {
 	for i, x := range cands[1:] {
 		s := c.trees[x.ID].Size()
 		if b := cands[best]; x.Inflight < b.Inflight || x.Inflight == b.Inflight && s < size {
+			best, size = i+1, s
+		}
+	}
+	return best
+}
+
+// smallestTree is the candidate with the smallest tree; ties go to the
+// fewest in flight, then the first.
+func (c *cacheAware) smallestTree(cands []Candidate) int {
+	best, size := 0, c.trees[cands[0].ID].Size()
+	for i, x := range cands[1:] {
+		s := c.trees[x.ID].Size()
+		if b := cands[best]; s < size || s == size && x.Inflight < b.Inflight {
 			best, size = i+1, s
 		}
 	}

@@ -219,9 +219,6 @@ func (l *LB) checkAll(ctx context.Context) {
 			switch {
 			case err != nil && was:
 				l.lg.Warn("server unhealthy: not routing to it", zap.String("role", b.role), zap.String("url", b.String()), zap.Error(err))
-				if f, ok := l.policy[b.role].(Forgetter); ok {
-					f.Forget(b.id)
-				}
 			case err == nil && !was && b.role == "prefill":
 				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()),
 					zap.Int64("bootstrap_port", b.bootstrapPort.Load()))
@@ -247,7 +244,7 @@ func candidates(bs []*backend, not *backend) []*backend {
 	for _, b := range bs {
 		switch {
 		case b == not || !b.usable():
-		case b.load.Load().full():
+		case b.full():
 			full = append(full, b)
 		default:
 			roomy = append(roomy, b)
@@ -319,7 +316,7 @@ func (l *LB) handleInfo(w http.ResponseWriter, r *http.Request) {
 		var out []srv
 		for _, b := range bs {
 			ld := b.load.Load()
-			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load(), ld.full(), ld})
+			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load(), b.full(), ld})
 		}
 		return out
 	}

@@ -28,8 +28,10 @@ type Candidate struct {
 }
 
 // Forgetter is a Policy that keeps state per server. The LB calls Forget
-// when a server fails a health check (it may come back restarted, its
-// cache empty) and on POST /flush_cache.
+// on POST /flush_cache. (Not when a server fails a check: a check that
+// timed out on a busy machine would cost every prefix; a server that did
+// restart empty fills its cache again from the requests its record sends
+// it.)
 type Forgetter interface {
 	Forget(id int)
 }

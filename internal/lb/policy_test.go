@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -111,6 +112,7 @@ func TestLBUsesRegisteredPolicy(t *testing.T) {
 			t.Fatalf("%s: %d %s", body, code, out)
 		}
 	}
+	waitFor(t, 5*time.Second, func() bool { return p1.count()+p2.count() == 3 }) // the prefill's may end after the answer
 	if p1.count() != 0 || p2.count() != 3 || d1.count() != 3 || d2.count() != 0 {
 		t.Fatalf("prefill got %d/%d, decode %d/%d: want the policy's last prefill and, its index out of range, the first decode",
 			p1.count(), p2.count(), d1.count(), d2.count())
@@ -145,8 +147,8 @@ func TestCacheAwareChoosesTheServerWithThePrefix(t *testing.T) {
 	reg := prometheus.NewRegistry()
 	c := newTestCacheAware(t, 3, CacheAwareConfig{}, reg)
 	idle := []Candidate{{ID: 0}, {ID: 1}, {ID: 2}}
-	// First questions of three groups: no match, so the least loaded, then
-	// the smallest tree: one group per server.
+	// First questions of three groups: no match, so the smallest tree:
+	// one group per server.
 	home := map[int]int{}
 	for g := range 3 {
 		home[g] = idle[c.Pick(idle, groupPrompt(g, 0))].ID
@@ -175,12 +177,15 @@ func TestCacheAwareChoosesTheServerWithThePrefix(t *testing.T) {
 	if promptBytes == 0 || matched/promptBytes < 0.8 {
 		t.Errorf("matched %v of %v prompt bytes", matched, promptBytes)
 	}
-	// A prompt sharing less than the threshold goes to the least loaded.
-	short := []byte(`"A: something else entirely, which shares two bytes with group A and is long"`)
+	// A prompt sharing less than the threshold goes to the smallest tree,
+	// whatever the loads.
+	short := []byte(`"A: something else entirely, which shares four bytes with group A and is long"`)
+	smallest := home[2]
+	c.Forget(smallest)
 	cands := []Candidate{{ID: 0, Inflight: 2}, {ID: 1, Inflight: 2}, {ID: 2, Inflight: 2}}
-	cands[home[0]].Inflight = 3
-	if got := cands[c.Pick(cands, short)].ID; got == home[0] {
-		t.Errorf("a prompt matching 4 of its %d bytes went to the more loaded server with that match", len(short))
+	cands[smallest].Inflight = 9
+	if got := cands[c.Pick(cands, short)].ID; got != smallest {
+		t.Errorf("a prompt matching 4 of its %d bytes went to server %d, not to the smallest tree's %d", len(short), got, smallest)
 	}
 	// No prompt: the least loaded.
 	cands = []Candidate{{ID: 0, Inflight: 5}, {ID: 1, Inflight: 1}, {ID: 2, Inflight: 5}}
@@ -304,10 +309,12 @@ func TestCacheAwareThroughLB(t *testing.T) {
 	for q := range 6 {
 		for g := range 4 {
 			for k, body := range bodies(g, q) {
-				np1, nd1 := p1.count(), d1.count()
+				np1, np, nd1 := p1.count(), p1.count()+p2.count(), d1.count()
 				if code, out := post(t, srv.URL+"/generate", body); code != 200 {
 					t.Fatalf("%s: %d %s", body, code, out)
 				}
+				// The prefill's request may end after the answer.
+				waitFor(t, 5*time.Second, func() bool { return p1.count()+p2.count() == np+1 })
 				w := where{"p2", "d2"}
 				if p1.count() > np1 {
 					w.p = "p1"
