@@ -109,4 +109,11 @@ func TestLBFlagErrors(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "--health-check-interval") || !strings.Contains(err.Error(), "--upstream-idle-timeout") {
 		t.Fatalf("lb with an idle timeout shorter than the health checks: %v", err)
 	}
+	for _, c := range [][]string{{"--policy", "fastest"}, {"--policy", "cache_aware", "--cache-threshold", "2"},
+		{"--balance-rel-threshold", "0.5"}, {"--max-tree-size", "-1"}} {
+		_, err = run(t, append([]string{"lb", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--insecure-no-cluster-token"}, c...)...)
+		if flag := c[len(c)-2]; err == nil || !strings.Contains(err.Error(), flag) {
+			t.Fatalf("lb %v: %v, want an error naming %s", c, err, flag)
+		}
+	}
 }

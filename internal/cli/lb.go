@@ -2,10 +2,12 @@ package cli
 
 import (
 	"fmt"
+	"math"
 	"net"
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -42,6 +44,14 @@ func newLBCmd(g *globals) *cobra.Command {
 				}
 			}
 			lg.Info("cluster secret", zap.String("source", secret.Source()), zap.String("fingerprint", secret.Fingerprint()))
+			// Zero means the default in lb.CacheAwareConfig: an explicit 0
+			// becomes the value that decides the same.
+			if cfg.CacheAware.CacheThreshold == 0 {
+				cfg.CacheAware.CacheThreshold = math.SmallestNonzeroFloat64 // any match
+			}
+			if cfg.CacheAware.BalanceAbsThreshold == 0 {
+				cfg.CacheAware.BalanceAbsThreshold = -1 // only the relative condition
+			}
 			reg := newRegistry()
 			cfg.Secret, cfg.Logger, cfg.Registerer, cfg.Gatherer = secret, lg, reg, reg
 			l, err := lb.New(cfg)
@@ -64,7 +74,15 @@ func newLBCmd(g *globals) *cobra.Command {
 	f.StringArrayVar(&cfg.Decode, "decode", nil, "decode server URL (repeatable)")
 	f.StringVar(&host, "host", "127.0.0.1", "listen host")
 	f.IntVar(&port, "port", 8000, "listen port")
-	f.StringVar(&cfg.Policy, "policy", "random", "random, round_robin or least_load")
+	f.StringVar(&cfg.Policy, "policy", "random", "how each role's server is picked: "+strings.Join(lb.BuiltinPolicies().Names(), ", "))
+	f.Float64Var(&cfg.CacheAware.CacheThreshold, "cache-threshold", lb.DefaultCacheThreshold,
+		"cache_aware: send a request to the server that was sent the longest prefix of its prompt when that prefix is more than this share of it (0 to 1), else to the least loaded")
+	f.IntVar(&cfg.CacheAware.BalanceAbsThreshold, "balance-abs-threshold", lb.DefaultBalanceAbsThreshold,
+		"cache_aware: the servers are imbalanced, and requests go to the least loaded, when the most loaded has more than this many requests in flight more than the least loaded ...")
+	f.Float64Var(&cfg.CacheAware.BalanceRelThreshold, "balance-rel-threshold", lb.DefaultBalanceRelThreshold,
+		"cache_aware: ... and more than this many times as many (at least 1)")
+	f.Int64Var(&cfg.CacheAware.MaxTreeBytes, "max-tree-size", lb.DefaultMaxTreeBytes,
+		"cache_aware: bytes of the record of prompts sent to each server (least recently used prefixes go first)")
 	f.DurationVar(&cfg.HealthInterval, "health-check-interval", lb.DefaultHealthInterval, "health check period")
 	f.DurationVar(&cfg.UpstreamIdleTimeout, "upstream-idle-timeout", lb.DefaultUpstreamIdleTimeout,
 		"end an upstream answer with no sign of life for this long (a stream: no bytes; an answer sent whole: no passed health check)")

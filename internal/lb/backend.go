@@ -19,6 +19,7 @@ import (
 // backend is one prefill or decode server.
 type backend struct {
 	role     string // "prefill" or "decode"
+	id       int    // place in its role's list
 	url      *url.URL
 	healthy  atomic.Bool
 	inflight atomic.Int64
@@ -34,15 +35,28 @@ type load struct {
 	Running    int64 `json:"running"`
 	PagesFree  int64 `json:"kv_pages_free"`
 	PagesTotal int64 `json:"kv_pages_total"`
+	// PagesCached are pages only the server's prefix cache holds: it
+	// gives them up for new requests.
+	PagesCached int64 `json:"kv_pages_cached"`
+	inflight    int64 // the LB's requests on the server when it answered
 }
 
 // full reports whether the server has no room for another request now:
-// requests wait in its queue, or its KV pool has no free page.
+// requests wait in its queue, or its KV pool has no page free or only
+// cached.
 func (l *load) full() bool {
-	return l != nil && (l.Queued > 0 || (l.PagesTotal > 0 && l.PagesFree <= 0))
+	return l != nil && (l.Queued > 0 || (l.PagesTotal > 0 && l.PagesFree+l.PagesCached <= 0))
 }
 
-func newBackend(role, raw string) (*backend, error) {
+// full reports whether b had no room at its last check and none of the
+// LB's requests on it ended since: a check is a snapshot up to an interval
+// old, and a request that ends gives its room back.
+func (b *backend) full() bool {
+	l := b.load.Load()
+	return l.full() && b.inflight.Load() >= l.inflight
+}
+
+func newBackend(role string, id int, raw string) (*backend, error) {
 	u, err := url.Parse(raw)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("--%s %q: want http://host:port", role, raw)
@@ -53,7 +67,7 @@ func newBackend(role, raw string) (*backend, error) {
 		}
 	}
 	u.Path = ""
-	return &backend{role: role, url: u}, nil
+	return &backend{role: role, id: id, url: u}, nil
 }
 
 func (b *backend) String() string { return b.url.String() }
@@ -106,6 +120,7 @@ func (b *backend) check(ctx context.Context, c *http.Client, timeout time.Durati
 		}
 		b.bootstrapPort.Store(int64(info.BootstrapPort))
 	}
+	info.load.inflight = b.inflight.Load()
 	b.load.Store(&info.load)
 	b.lastOK.Store(time.Now().UnixNano())
 	return nil

@@ -36,17 +36,6 @@ func BenchmarkHop(b *testing.B) {
 	p, d := stub("prefill"), stub("decode")
 	defer p.Close()
 	defer d.Close()
-	l, err := New(Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, HealthInterval: time.Hour, UpstreamIdleTimeout: 2 * time.Hour})
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { l.Run(ctx); close(done) }()
-	defer func() { cancel(); <-done }()
-	<-l.Ready()
-	srv := httptest.NewServer(l.Handler())
-	defer srv.Close()
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4}}
 	defer client.CloseIdleConnections()
 	do := func(url string) {
@@ -60,10 +49,27 @@ func BenchmarkHop(b *testing.B) {
 			b.Fatalf("status %d: %s", resp.StatusCode, out)
 		}
 	}
-	for _, c := range []struct{ name, url string }{{"direct", d.URL}, {"lb", srv.URL}} {
-		b.Run(c.name, func(b *testing.B) {
+	b.Run("direct", func(b *testing.B) {
+		for b.Loop() {
+			do(d.URL)
+		}
+	})
+	// cache_aware matches and records the prompt's 6 KB on each side.
+	for _, policy := range []string{"random", "cache_aware"} {
+		b.Run("lb/policy="+policy, func(b *testing.B) {
+			l, err := New(Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, Policy: policy, HealthInterval: time.Hour, UpstreamIdleTimeout: 2 * time.Hour})
+			if err != nil {
+				b.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { l.Run(ctx); close(done) }()
+			defer func() { cancel(); <-done }()
+			<-l.Ready()
+			srv := httptest.NewServer(l.Handler())
+			defer srv.Close()
 			for b.Loop() {
-				do(c.url)
+				do(srv.URL)
 			}
 		})
 	}

@@ -19,6 +19,7 @@ type request struct {
 	body   []byte
 	keep   [][2]int // [start, end) of each member kept
 	stream bool     // the last "stream" member is true
+	prompt [2]int   // the value of the first prompt member (see isPromptName)
 	spans  [8][2]int
 }
 
@@ -66,6 +67,9 @@ func parseRequest(body []byte) (*request, error) {
 				req.stream = string(body[vstart:s.i]) == "true"
 				fallthrough
 			default:
+				if req.prompt[1] == 0 && isPromptName(key) {
+					req.prompt = [2]int{vstart, s.i}
+				}
 				req.keep = append(req.keep, [2]int{start, s.i})
 			}
 			s.ws()
@@ -83,6 +87,27 @@ func parseRequest(body []byte) (*request, error) {
 		return nil, s.errf("the end of the body after the object")
 	}
 	return req, nil
+}
+
+// isPromptName reports whether key, a raw JSON member name, is one that
+// holds a prompt: /generate's text or input_ids, /v1/completions' prompt,
+// /v1/chat/completions' messages (exactly: the servers take no other
+// spelling).
+func isPromptName(key []byte) bool {
+	switch string(key) {
+	case `"text"`, `"input_ids"`, `"prompt"`, `"messages"`:
+		return true
+	}
+	return false
+}
+
+// key is the prompt as the client wrote it (a JSON value, raw), at most
+// MaxKeyBytes; nil when the request has no prompt member. Prompts that
+// share a prefix share a prefix of these bytes, as the same client writes
+// them.
+func (r *request) key() []byte {
+	k := r.body[r.prompt[0]:r.prompt[1]]
+	return k[:min(len(k), MaxKeyBytes)]
 }
 
 // with returns the body with the LB's bootstrap members first, then the

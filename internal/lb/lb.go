@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	mrand "math/rand/v2"
 	"net"
 	"net/http"
 	"strconv"
@@ -30,7 +29,12 @@ import (
 type Config struct {
 	Prefill []string // prefill server URLs (at least one)
 	Decode  []string // decode server URLs (at least one)
-	Policy  string   // random (default), round_robin, least_load
+	// Policy names the policy that picks each role's server (default
+	// random); Policies has the names (nil: BuiltinPolicies). A request
+	// goes to a server with room when one has room, whatever the policy.
+	Policy     string
+	Policies   *Policies
+	CacheAware CacheAwareConfig // cache_aware's parameters
 	// HealthInterval is the period of health checks (default 1s). A server
 	// that fails a check stops receiving requests; one that passes again is
 	// used from the next check on. Each check also reads the server's load:
@@ -69,6 +73,9 @@ func (c Config) withDefaults() Config {
 	if c.Policy == "" {
 		c.Policy = "random"
 	}
+	if c.Policies == nil {
+		c.Policies = BuiltinPolicies()
+	}
 	if c.HealthInterval == 0 {
 		c.HealthInterval = DefaultHealthInterval
 	}
@@ -92,10 +99,11 @@ func (c *Config) Validate() error {
 	if len(c.Decode) == 0 {
 		return errors.New("--decode: at least one decode server is required")
 	}
-	switch c.Policy {
-	case "", "random", "round_robin", "least_load":
-	default:
-		return fmt.Errorf("--policy %q: want random, round_robin or least_load", c.Policy)
+	if e := c.withDefaults(); e.Policies.m[e.Policy] == nil {
+		return e.Policies.unknown(e.Policy)
+	}
+	if err := c.CacheAware.Validate(); err != nil {
+		return err
 	}
 	for _, d := range []struct {
 		flag string
@@ -122,7 +130,7 @@ type LB struct {
 	prefill []*backend
 	decode  []*backend
 	client  *http.Client
-	rr      map[string]*atomic.Uint64 // round-robin position per role
+	policy  map[string]Policy // by role
 	m       *metrics
 	ready   chan struct{}
 	once    sync.Once
@@ -139,24 +147,28 @@ func New(cfg Config) (*LB, error) {
 		lg = zap.NewNop()
 	}
 	l := &LB{cfg: cfg, lg: lg.Named("lb"), m: newMetrics(cfg.Registerer), ready: make(chan struct{}),
-		rr: map[string]*atomic.Uint64{"prefill": new(atomic.Uint64), "decode": new(atomic.Uint64)},
+		policy: map[string]Policy{},
 		client: &http.Client{Transport: &http.Transport{
 			MaxIdleConnsPerHost: 256, IdleConnTimeout: 90 * time.Second,
 			DialContext: (&net.Dialer{Timeout: 3 * time.Second}).DialContext,
 		}}}
-	for _, u := range cfg.Prefill {
-		b, err := newBackend("prefill", u)
+	for _, r := range []struct {
+		role string
+		urls []string
+		bs   *[]*backend
+	}{{"prefill", cfg.Prefill, &l.prefill}, {"decode", cfg.Decode, &l.decode}} {
+		for i, u := range r.urls {
+			b, err := newBackend(r.role, i, u)
+			if err != nil {
+				return nil, err
+			}
+			*r.bs = append(*r.bs, b)
+		}
+		p, err := cfg.Policies.New(cfg.Policy, PolicyEnv{Role: r.role, Servers: len(r.urls), CacheAware: cfg.CacheAware, Registerer: cfg.Registerer})
 		if err != nil {
 			return nil, err
 		}
-		l.prefill = append(l.prefill, b)
-	}
-	for _, u := range cfg.Decode {
-		b, err := newBackend("decode", u)
-		if err != nil {
-			return nil, err
-		}
-		l.decode = append(l.decode, b)
+		l.policy[r.role] = p
 	}
 	if cfg.Secret.IsZero() {
 		l.lg.Warn("no cluster secret: the bootstrap fields go without vouchers, which the servers accept only with --allow-unsigned-bootstrap")
@@ -225,40 +237,43 @@ func b2f(b bool) float64 {
 	return 0
 }
 
-// pick chooses a usable backend other than not by the policy, among those
-// with room if any has room.
-func (l *LB) pick(bs []*backend, not *backend) *backend {
+// candidates are the usable backends other than not: those with room, or
+// all if none has room.
+func candidates(bs []*backend, not *backend) []*backend {
 	var roomy, full []*backend
 	for _, b := range bs {
 		switch {
 		case b == not || !b.usable():
-		case b.load.Load().full():
+		case b.full():
 			full = append(full, b)
 		default:
 			roomy = append(roomy, b)
 		}
 	}
-	ok := roomy
-	if len(ok) == 0 {
-		ok = full
+	if len(roomy) > 0 {
+		return roomy
 	}
+	return full
+}
+
+// pick chooses a usable backend other than not by the role's policy, among
+// those with room if any has room, for a request whose prompt is key.
+func (l *LB) pick(bs []*backend, not *backend, key []byte) *backend {
+	ok := candidates(bs, not)
 	if len(ok) == 0 {
 		return nil
 	}
-	switch l.cfg.Policy {
-	case "round_robin":
-		return ok[int(l.rr[ok[0].role].Add(1)-1)%len(ok)]
-	case "least_load":
-		best := ok[0]
-		for _, b := range ok[1:] {
-			if b.inflight.Load() < best.inflight.Load() {
-				best = b
-			}
-		}
-		return best
-	default:
-		return ok[mrand.IntN(len(ok))]
+	cands := make([]Candidate, len(ok))
+	for i, b := range ok {
+		cands[i] = Candidate{ID: b.id, Inflight: b.inflight.Load()}
 	}
+	role := ok[0].role
+	i := l.policy[role].Pick(cands, key)
+	if i < 0 || i >= len(ok) {
+		l.lg.Error("policy picked no candidate; taking the first", zap.String("policy", l.cfg.Policy), zap.String("role", role), zap.Int("index", i))
+		i = 0
+	}
+	return ok[i]
 }
 
 // Handler serves the LB's HTTP API.
@@ -271,6 +286,7 @@ func (l *LB) Handler() http.Handler {
 	mux.HandleFunc("GET /get_model_info", l.proxyGet)
 	mux.HandleFunc("GET /health", l.handleHealth)
 	mux.HandleFunc("GET /get_server_info", l.handleInfo)
+	mux.HandleFunc("POST /flush_cache", l.handleFlushCache)
 	g := l.cfg.Gatherer
 	if g == nil {
 		g = prometheus.NewRegistry()
@@ -280,7 +296,7 @@ func (l *LB) Handler() http.Handler {
 }
 
 func (l *LB) handleHealth(w http.ResponseWriter, r *http.Request) {
-	if l.pick(l.prefill, nil) == nil || l.pick(l.decode, nil) == nil {
+	if len(candidates(l.prefill, nil)) == 0 || len(candidates(l.decode, nil)) == 0 {
 		writeError(w, http.StatusServiceUnavailable, "no healthy prefill/decode pair")
 		return
 	}
@@ -300,7 +316,7 @@ func (l *LB) handleInfo(w http.ResponseWriter, r *http.Request) {
 		var out []srv
 		for _, b := range bs {
 			ld := b.load.Load()
-			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load(), ld.full(), ld})
+			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load(), b.full(), ld})
 		}
 		return out
 	}
@@ -309,7 +325,7 @@ func (l *LB) handleInfo(w http.ResponseWriter, r *http.Request) {
 }
 
 func (l *LB) proxyGet(w http.ResponseWriter, r *http.Request) {
-	b := l.pick(l.decode, nil)
+	b := l.pick(l.decode, nil, nil)
 	if b == nil {
 		l.m.requests.WithLabelValues("503").Inc()
 		writeError(w, http.StatusServiceUnavailable, "no healthy decode server")
@@ -371,7 +387,8 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, http.StatusBadRequest, err.Error())
 	}
-	p, d := l.pick(l.prefill, nil), l.pick(l.decode, nil)
+	key := req.key()
+	p, d := l.pick(l.prefill, nil, key), l.pick(l.decode, nil, key)
 	if p == nil || d == nil {
 		return writeError(w, http.StatusServiceUnavailable, "no healthy prefill/decode pair")
 	}
@@ -386,9 +403,9 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 		return first.write(w)
 	}
 	if first.role == "prefill" {
-		p = l.pick(l.prefill, p)
+		p = l.pick(l.prefill, p, key)
 	} else {
-		d = l.pick(l.decode, d)
+		d = l.pick(l.decode, d, key)
 	}
 	if p == nil || d == nil { // no other pair: the first failure stands
 		return first.write(w)

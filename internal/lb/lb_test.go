@@ -32,6 +32,8 @@ type fakeServer struct {
 	// gen, if set, answers /generate after the body was recorded.
 	gen  func(w http.ResponseWriter, r *http.Request)
 	load atomic.Pointer[map[string]any] // added to /get_server_info
+	// flushes counts POST /flush_cache; flushStatus, if set, is its answer.
+	flushes, flushStatus atomic.Int32
 }
 
 func newFake(t *testing.T, mode string) *fakeServer {
@@ -49,6 +51,14 @@ func newFake(t *testing.T, mode string) *fakeServer {
 				maps.Copy(info, *l)
 			}
 			json.NewEncoder(w).Encode(info)
+		case "/flush_cache":
+			f.flushes.Add(1)
+			if c := f.flushStatus.Load(); c != 0 {
+				w.WriteHeader(int(c))
+				w.Write([]byte(`{"error":{"message":"this server has no prefix cache","code":400}}`))
+				return
+			}
+			w.Write([]byte(`{"message":"Cache flushed."}`))
 		case "/generate", "/v1/completions":
 			var m map[string]any
 			json.NewDecoder(r.Body).Decode(&m)

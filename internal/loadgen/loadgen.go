@@ -13,7 +13,9 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -22,19 +24,34 @@ import (
 // Config is one benchmark run. Zero values mean the defaults noted.
 type Config struct {
 	URL         string  // base URL, e.g. http://127.0.0.1:8000
-	Concurrency int     // requests in flight at most (default 1)
-	RequestRate float64 // requests per second (Poisson arrivals); 0 = as fast as concurrency allows
-	NumPrompts  int     // measured requests (default 32)
-	Warmup      int     // unmeasured requests first (default 1)
-	InputLen    int     // prompt tokens (default 128)
+	Concurrency int     // requests (with MultiTurn: chats) in flight at most (default 1)
+	RequestRate float64 // requests (chats) per second (Poisson arrivals); 0 = as fast as concurrency allows
+	NumPrompts  int     // measured requests, or chats with MultiTurn (default 32)
+	Warmup      int     // unmeasured requests first (default 1), with no shared prefix
+	InputLen    int     // prompt tokens, or a turn's new tokens (default 128)
 	OutputLen   int     // output tokens (default 64)
 	// RangeRatio draws lengths uniformly from [len*RangeRatio, len] (1 = fixed; default 1).
 	RangeRatio float64
 	// MaxTokenID bounds the random prompt token ids to [3, MaxTokenID]
 	// (default 250: valid for every vocabulary of 256 or more).
 	MaxTokenID int
-	Seed       uint64
-	Timeout    time.Duration // per request (default 5m)
+	// SharedPrefixLen: each prompt (each chat's first) starts with its
+	// group's prefix of this many tokens, then InputLen of its own (0: no
+	// shared prefix).
+	SharedPrefixLen int
+	// NumGroups: prompts are in this many groups (default 1 with a shared
+	// prefix), as evenly as NumPrompts allows, sent in random order.
+	NumGroups int
+	// MultiTurn: each of the NumPrompts is a chat of this many turns
+	// (default 1). A turn's prompt is the chat so far, prompts and answers,
+	// then InputLen new tokens; a chat's turns go one after another.
+	MultiTurn int
+	// MetricsURLs are servers whose /metrics are read before and after the
+	// measured requests, for the prompt tokens they computed
+	// (mooncake_engine_prefill_tokens_total). Empty: URL's, if it has them.
+	MetricsURLs []string
+	Seed        uint64
+	Timeout     time.Duration // per request (default 5m)
 }
 
 // Result is the report of a run.
@@ -47,9 +64,18 @@ type Result struct {
 	InputTokens   int     `json:"total_input_tokens"`
 	OutputTokens  int     `json:"total_output_tokens"`
 	OutputTokRate float64 `json:"output_throughput"` // tok/s
-	TTFT          Stats   `json:"ttft_ms"`
-	ITL           Stats   `json:"itl_ms"`
-	E2E           Stats   `json:"e2e_latency_ms"`
+	// CachedTokens are the prompt tokens the servers took from their
+	// prefix caches (meta_info.cached_tokens); CachedShare is their share
+	// of InputTokens.
+	CachedTokens int     `json:"total_cached_tokens"`
+	CachedShare  float64 `json:"cached_token_share"`
+	// PrefillTokens are the prompt tokens the servers of MetricsURLs
+	// computed during the measured requests; absent when unknown.
+	PrefillTokens *int64 `json:"prefill_tokens_computed,omitempty"`
+	MetricsError  string `json:"metrics_error,omitempty"`
+	TTFT          Stats  `json:"ttft_ms"`
+	ITL           Stats  `json:"itl_ms"`
+	E2E           Stats  `json:"e2e_latency_ms"`
 }
 
 // Stats are latency percentiles in milliseconds.
@@ -77,35 +103,77 @@ type sample struct {
 	ttft, e2e float64
 	itl       []float64
 	in, out   int
+	cached    int
+	ids       []int // the output
 	err       error
+}
+
+// errEarlierTurn marks the turns a chat did not send after one failed.
+var errEarlierTurn = errors.New("loadgen: an earlier turn of the chat failed")
+
+// Validate reports a configuration Run cannot use, naming the flag.
+func (c *Config) Validate() error {
+	switch {
+	case c.URL == "":
+		return errors.New("--url is required")
+	case c.SharedPrefixLen < 0:
+		return fmt.Errorf("--shared-prefix-len %d is negative", c.SharedPrefixLen)
+	case c.NumGroups < 0:
+		return fmt.Errorf("--num-groups %d is negative", c.NumGroups)
+	case c.NumGroups > 0 && c.SharedPrefixLen == 0:
+		return errors.New("--num-groups needs --shared-prefix-len")
+	case c.NumGroups > c.withDefaults().NumPrompts:
+		return fmt.Errorf("--num-groups %d is more than --num-prompts", c.NumGroups)
+	case c.MultiTurn < 0:
+		return fmt.Errorf("--multi-turn %d is negative", c.MultiTurn)
+	}
+	return nil
+}
+
+// chat is one measured unit: a prompt, or the turns of a chat.
+type chat struct {
+	prefix []int   // the group's shared prefix, or nil
+	users  [][]int // each turn's new tokens
+	outs   []int   // each turn's output length
+}
+
+func (c Config) withDefaults() Config {
+	if c.Concurrency <= 0 {
+		c.Concurrency = 1
+	}
+	if c.NumPrompts <= 0 {
+		c.NumPrompts = 32
+	}
+	if c.InputLen <= 0 {
+		c.InputLen = 128
+	}
+	if c.OutputLen <= 0 {
+		c.OutputLen = 64
+	}
+	if c.RangeRatio <= 0 || c.RangeRatio > 1 {
+		c.RangeRatio = 1
+	}
+	if c.MaxTokenID <= 3 {
+		c.MaxTokenID = 250
+	}
+	if c.NumGroups == 0 {
+		c.NumGroups = 1
+	}
+	if c.MultiTurn == 0 {
+		c.MultiTurn = 1
+	}
+	if c.Timeout == 0 {
+		c.Timeout = 5 * time.Minute
+	}
+	return c
 }
 
 // Run performs the benchmark.
 func Run(ctx context.Context, cfg Config) (*Result, error) {
-	if cfg.URL == "" {
-		return nil, errors.New("--url is required")
+	if err := cfg.Validate(); err != nil {
+		return nil, err
 	}
-	if cfg.Concurrency <= 0 {
-		cfg.Concurrency = 1
-	}
-	if cfg.NumPrompts <= 0 {
-		cfg.NumPrompts = 32
-	}
-	if cfg.InputLen <= 0 {
-		cfg.InputLen = 128
-	}
-	if cfg.OutputLen <= 0 {
-		cfg.OutputLen = 64
-	}
-	if cfg.RangeRatio <= 0 || cfg.RangeRatio > 1 {
-		cfg.RangeRatio = 1
-	}
-	if cfg.MaxTokenID <= 3 {
-		cfg.MaxTokenID = 250
-	}
-	if cfg.Timeout == 0 {
-		cfg.Timeout = 5 * time.Minute
-	}
+	cfg = cfg.withDefaults()
 	rng := rand.New(rand.NewPCG(cfg.Seed, 0x6d6f6f6e))
 	draw := func(n int) int {
 		lo := int(float64(n) * cfg.RangeRatio)
@@ -114,34 +182,51 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		}
 		return lo + rng.IntN(n-lo+1)
 	}
-	type job struct {
-		ids []int
-		out int
-	}
-	mk := func() job {
-		ids := make([]int, draw(cfg.InputLen))
+	tokens := func(n int) []int {
+		ids := make([]int, n)
 		for i := range ids {
 			ids[i] = 3 + rng.IntN(cfg.MaxTokenID-2)
 		}
-		return job{ids, draw(cfg.OutputLen)}
+		return ids
 	}
+	prefixes := make([][]int, cfg.NumGroups)
+	for g := range prefixes {
+		prefixes[g] = tokens(cfg.SharedPrefixLen)
+	}
+	chats := make([]chat, cfg.NumPrompts)
+	for i := range chats {
+		c := chat{prefix: prefixes[i%cfg.NumGroups]}
+		for range cfg.MultiTurn {
+			c.users = append(c.users, tokens(draw(cfg.InputLen)))
+			c.outs = append(c.outs, draw(cfg.OutputLen))
+		}
+		chats[i] = c
+	}
+	rng.Shuffle(len(chats), func(i, j int) { chats[i], chats[j] = chats[j], chats[i] })
+
 	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Concurrency + 4}}
+	defer client.CloseIdleConnections()
 	url := strings.TrimRight(cfg.URL, "/") + "/generate"
 	for i := 0; i < cfg.Warmup; i++ {
-		j := mk()
-		if s := one(ctx, client, url, j.ids, j.out, cfg.Timeout); s.err != nil {
+		if s := one(ctx, client, url, tokens(cfg.SharedPrefixLen+draw(cfg.InputLen)), draw(cfg.OutputLen), cfg.Timeout); s.err != nil {
 			return nil, fmt.Errorf("warm-up request: %w", s.err)
 		}
 	}
-	jobs := make([]job, cfg.NumPrompts)
-	for i := range jobs {
-		jobs[i] = mk()
+	murls, explicit := cfg.MetricsURLs, len(cfg.MetricsURLs) > 0
+	if !explicit {
+		murls = []string{cfg.URL}
 	}
+	before, berr := prefillTokens(ctx, client, murls)
+
+	turns := cfg.MultiTurn
 	sem := make(chan struct{}, cfg.Concurrency)
-	samples := make([]sample, len(jobs))
+	samples := make([]sample, len(chats)*turns)
+	for i := range samples {
+		samples[i].err = context.Canceled // until sent
+	}
 	var wg sync.WaitGroup
 	start := time.Now()
-	for i, j := range jobs {
+	for i, c := range chats {
 		if cfg.RequestRate > 0 && i > 0 {
 			select {
 			case <-time.After(time.Duration(rng.ExpFloat64() / cfg.RequestRate * float64(time.Second))):
@@ -156,20 +241,39 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 			break
 		}
 		wg.Add(1)
-		go func(i int, j job) {
+		go func(out []sample) {
 			defer wg.Done()
 			defer func() { <-sem }()
-			samples[i] = one(ctx, client, url, j.ids, j.out, cfg.Timeout)
-		}(i, j)
+			hist := c.prefix
+			for t := range c.users {
+				prompt := append(slices.Clone(hist), c.users[t]...)
+				out[t] = one(ctx, client, url, prompt, c.outs[t], cfg.Timeout)
+				if out[t].err != nil || out[t].out == 0 {
+					for k := t + 1; k < len(out); k++ {
+						out[k].err = errEarlierTurn
+					}
+					return
+				}
+				hist = append(prompt, out[t].ids...)
+			}
+		}(samples[i*turns : (i+1)*turns])
 	}
 	wg.Wait()
 	el := time.Since(start).Seconds()
 	res := &Result{DurationS: el}
+	after, aerr := prefillTokens(ctx, client, murls)
+	switch err := errors.Join(berr, aerr); {
+	case err != nil && explicit:
+		res.MetricsError = err.Error()
+	case err == nil:
+		d := after - before
+		res.PrefillTokens = &d
+	}
 	var ttft, itl, e2e []float64
 	for _, s := range samples {
 		if s.err != nil || s.out == 0 {
 			res.Failed++
-			if res.FirstError == "" && s.err != nil {
+			if res.FirstError == "" && s.err != nil && s.err != errEarlierTurn {
 				res.FirstError = s.err.Error()
 			}
 			continue
@@ -177,14 +281,66 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		res.Completed++
 		res.InputTokens += s.in
 		res.OutputTokens += s.out
+		res.CachedTokens += s.cached
 		ttft = append(ttft, s.ttft)
 		e2e = append(e2e, s.e2e)
 		itl = append(itl, s.itl...)
 	}
 	res.RequestRate = float64(res.Completed) / el
 	res.OutputTokRate = float64(res.OutputTokens) / el
+	if res.InputTokens > 0 {
+		res.CachedShare = float64(res.CachedTokens) / float64(res.InputTokens)
+	}
 	res.TTFT, res.ITL, res.E2E = stats(ttft), stats(itl), stats(e2e)
 	return res, ctx.Err()
+}
+
+// errNoMetric is a /metrics without mooncake_engine_prefill_tokens_total
+// (an LB's).
+var errNoMetric = errors.New("no mooncake_engine_prefill_tokens_total")
+
+// prefillTokens sums mooncake_engine_prefill_tokens_total over the
+// servers' /metrics.
+func prefillTokens(ctx context.Context, c *http.Client, urls []string) (int64, error) {
+	const name = "mooncake_engine_prefill_tokens_total"
+	var sum int64
+	for _, u := range urls {
+		u = strings.TrimRight(u, "/") + "/metrics"
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, u, nil)
+		resp, err := c.Do(req)
+		if err != nil {
+			cancel()
+			return 0, fmt.Errorf("%s: %w", u, err)
+		}
+		found := false
+		sc := bufio.NewScanner(io.LimitReader(resp.Body, 16<<20))
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			line := sc.Text()
+			rest, ok := strings.CutPrefix(line, name)
+			if !ok || rest == "" || rest[0] != ' ' && rest[0] != '{' {
+				continue
+			}
+			v, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64)
+			if err == nil {
+				sum += int64(v)
+				found = true
+			}
+		}
+		err = sc.Err()
+		resp.Body.Close()
+		cancel()
+		switch {
+		case resp.StatusCode != http.StatusOK:
+			return 0, fmt.Errorf("%s: HTTP %d", u, resp.StatusCode)
+		case err != nil:
+			return 0, fmt.Errorf("%s: %w", u, err)
+		case !found:
+			return 0, fmt.Errorf("%s: %w", u, errNoMetric)
+		}
+	}
+	return sum, nil
 }
 
 // one sends a streaming /generate request and times its events.
@@ -225,7 +381,10 @@ func one(ctx context.Context, c *http.Client, url string, ids []int, out int, ti
 		}
 		var ev struct {
 			OutputIDs []int `json:"output_ids"`
-			Error     *struct {
+			MetaInfo  *struct {
+				CachedTokens int `json:"cached_tokens"`
+			} `json:"meta_info"`
+			Error *struct {
 				Message string `json:"message"`
 			} `json:"error"`
 		}
@@ -236,6 +395,9 @@ func one(ctx context.Context, c *http.Client, url string, ids []int, out int, ti
 		if ev.Error != nil {
 			s.err = errors.New(ev.Error.Message)
 			return s
+		}
+		if ev.MetaInfo != nil { // the last event's is the request's
+			s.cached = ev.MetaInfo.CachedTokens
 		}
 		now := time.Now()
 		if len(ev.OutputIDs) > n {
@@ -249,6 +411,7 @@ func one(ctx context.Context, c *http.Client, url string, ids []int, out int, ti
 				}
 			}
 			n = len(ev.OutputIDs)
+			s.ids = ev.OutputIDs
 			last = now
 		}
 	}
@@ -271,6 +434,13 @@ func (r *Result) Print(w io.Writer) {
 	}
 	fmt.Fprintf(w, "request throughput   %.2f req/s\n", r.RequestRate)
 	fmt.Fprintf(w, "output throughput    %.1f tok/s (%d input, %d output tokens)\n", r.OutputTokRate, r.InputTokens, r.OutputTokens)
+	fmt.Fprintf(w, "cached prompt tokens %d (%.1f%% of the input)\n", r.CachedTokens, 100*r.CachedShare)
+	if r.PrefillTokens != nil {
+		fmt.Fprintf(w, "prompt tokens computed by the servers %d\n", *r.PrefillTokens)
+	}
+	if r.MetricsError != "" {
+		fmt.Fprintf(w, "server metrics: %s\n", r.MetricsError)
+	}
 	for _, x := range []struct {
 		n string
 		s Stats
