@@ -7,7 +7,8 @@
 #   128 in / 1024 out, concurrency 64, 128 prompts
 # and, when bench serve has --shared-prefix-len, the prefix cache's figure:
 # 8 groups sharing a 2K prefix, radix cache on vs --disable-radix-cache.
-# One line per run; logs in $OUT.
+# One line per run; logs in $OUT. ONLY=prefix runs the prefix cache's pair
+# alone.
 set -u
 cd "$(dirname "$0")/../.."
 log=${OUT:-/tmp/serve9}
@@ -37,10 +38,12 @@ run() { # label serve-extra bench-args...
 	fi
 	kill $pid 2>/dev/null; wait $pid 2>/dev/null
 }
-run in1k-c32 "" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
-run in1k-c32-nograph "--disable-cuda-graph" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
-run in1k-c128 "" --input-len 1024 --output-len 128 --concurrency 128 --num-prompts 256
-run in128-out1k-c64 "" --input-len 128 --output-len 1024 --concurrency 64 --num-prompts 128
+if [ "${ONLY:-}" != prefix ]; then
+	run in1k-c32 "" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
+	run in1k-c32-nograph "--disable-cuda-graph" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
+	run in1k-c128 "" --input-len 1024 --output-len 128 --concurrency 128 --num-prompts 256
+	run in128-out1k-c64 "" --input-len 128 --output-len 1024 --concurrency 64 --num-prompts 128
+fi
 if $mc bench serve --help 2>&1 | grep -q -- --shared-prefix-len; then
 	P="--shared-prefix-len 2048 --num-groups 8 --input-len 128 --output-len 32 --concurrency 16 --num-prompts 128"
 	run prefix-radix "" $P
