@@ -261,6 +261,10 @@ func loadModel(modelPath, tokPath string) (*model.Model, tokenizer.Tokenizer, er
 	if modelPath == "" {
 		return model.Builtin(), tokenizer.NewByteLevel(), nil
 	}
+	modelPath, err := resolveModelPath(modelPath, os.Getenv)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--model-path %w", err)
+	}
 	st, err := os.Stat(modelPath)
 	if err != nil {
 		return nil, nil, fmt.Errorf("--model-path: %w", err)
