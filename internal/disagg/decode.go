@@ -367,9 +367,19 @@ func (d *Decode) reserve(ctx context.Context, req *engine.Request) (_ *kvcache.T
 		}
 		m.Done()
 	}
-	qctx, cancel := context.WithTimeout(ctx, d.cfg.QueueWait)
-	defer cancel()
-	rest, err := d.cfg.Pages.TakeWait(qctx, n-table.Len())
+	rest, err := d.cfg.Pages.Take(n - table.Len())
+	if err != nil && table.Len() > 0 {
+		// Short of pages: wait without holding the cached ones, which a
+		// waiter holding them could keep from everyone (eviction cannot
+		// take a page a table holds), and send the whole prompt then.
+		table.Release()
+		table, held = d.cfg.Pages.NewTable(), 0
+	}
+	if err != nil {
+		qctx, cancel := context.WithTimeout(ctx, d.cfg.QueueWait)
+		defer cancel()
+		rest, err = d.cfg.Pages.TakeWait(qctx, n)
+	}
 	if err != nil {
 		table.Release()
 		if n > d.cfg.Pages.Total() {

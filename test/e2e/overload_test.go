@@ -78,6 +78,13 @@ func TestZeroNewTokensPD(t *testing.T) {
 // of 512 pages (16 such requests at a time) and a prefill of the same size
 // all complete: requests queue for pages instead of failing with 503 or 504.
 func TestOverloadQueues(t *testing.T) {
+	t.Run("distinct", func(t *testing.T) { overload(t, 0) })
+	// Groups sharing a prefix: the decode's prefix cache shares pages
+	// between waiting rooms; they must never hold back the queue's head.
+	t.Run("shared prefixes", func(t *testing.T) { overload(t, 400) })
+}
+
+func overload(t *testing.T, prefix int) {
 	shared := sharedDir(t)
 	args := append(storiesArgs(shared), pdFlags...) // 8192 tokens of 16 a page: 512 pages
 	p := serve(t, serveOpts{name: "prefill", mode: "prefill", args: args})
@@ -91,9 +98,17 @@ func TestOverloadQueues(t *testing.T) {
 	var wg sync.WaitGroup
 	errs := make(chan string, n)
 	start := time.Now()
+	groups := make([][]int, 8)
+	for g := range groups {
+		groups[g] = make([]int, prefix)
+		for j := range groups[g] {
+			groups[g][j] = 3 + rng.IntN(500)
+		}
+	}
 	for i := range n {
 		ids := make([]int, promptLen)
-		for j := range ids {
+		copy(ids, groups[i%8])
+		for j := prefix; j < len(ids); j++ {
 			ids[j] = 3 + rng.IntN(500)
 		}
 		wg.Go(func() {
