@@ -76,7 +76,7 @@ func newLBCmd(g *globals) *cobra.Command {
 	f.IntVar(&port, "port", 8000, "listen port")
 	f.StringVar(&cfg.Policy, "policy", "random", "how each role's server is picked: "+strings.Join(lb.BuiltinPolicies().Names(), ", "))
 	f.Float64Var(&cfg.CacheAware.CacheThreshold, "cache-threshold", lb.DefaultCacheThreshold,
-		"cache_aware: send a request to the server that was sent the longest prefix of its prompt when that prefix is more than this share of it (0 to 1), else to the least loaded")
+		"cache_aware: send a request to the server that was sent the longest prefix of its prompt when that prefix is more than this share of it (0 to 1), else to the one with the smallest record of prompts sent")
 	f.IntVar(&cfg.CacheAware.BalanceAbsThreshold, "balance-abs-threshold", lb.DefaultBalanceAbsThreshold,
 		"cache_aware: the servers are imbalanced, and requests go to the least loaded, when the most loaded has more than this many requests in flight more than the least loaded ...")
 	f.Float64Var(&cfg.CacheAware.BalanceRelThreshold, "balance-rel-threshold", lb.DefaultBalanceRelThreshold,

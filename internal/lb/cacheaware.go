@@ -12,8 +12,8 @@ import (
 type CacheAwareConfig struct {
 	// CacheThreshold: a request goes to the server that was sent the
 	// longest prefix of its prompt when that prefix is more than this
-	// share of the prompt (0 to 1; default 0.3); else to the least loaded
-	// server.
+	// share of the prompt (0 to 1; default 0.3); else to the server with
+	// the smallest record (the most room for a new prefix).
 	CacheThreshold float64
 	// The servers are imbalanced when the most loaded has more than
 	// BalanceAbsThreshold requests in flight more than the least loaded
@@ -74,8 +74,10 @@ func (c *CacheAwareConfig) Validate() error {
 // the match is over CacheThreshold of the prompt, else to the one with the
 // smallest tree (the most room for a new prefix: new prefixes spread
 // evenly, whatever the momentary loads); when the servers are imbalanced,
-// or the request has no prompt, to the least loaded. The prompt is then recorded in the chosen server's
-// tree.
+// or the request has no prompt, to the least loaded. The prompt is then
+// recorded in the chosen server's tree, which --max-tree-size bounds (its
+// eviction is O(1) per node, so it runs at each insert, where sgl-router
+// scans its trees every --eviction-interval).
 type cacheAware struct {
 	cfg   CacheAwareConfig
 	trees []*prefixTree // by Candidate.ID

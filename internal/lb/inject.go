@@ -106,6 +106,9 @@ func isPromptName(key []byte) bool {
 // share a prefix share a prefix of these bytes, as the same client writes
 // them.
 func (r *request) key() []byte {
+	if r.prompt[1] == 0 {
+		return nil
+	}
 	k := r.body[r.prompt[0]:r.prompt[1]]
 	return k[:min(len(k), MaxKeyBytes)]
 }
