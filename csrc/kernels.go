@@ -6,8 +6,6 @@ package csrc
 
 import (
 	"embed"
-	"io/fs"
-	"sort"
 	"strings"
 )
 
@@ -21,19 +19,6 @@ func Kernel(name string) (string, error) {
 		return "", err
 	}
 	return string(b), nil
-}
-
-// Kernels lists the embedded kernel sets, sorted.
-func Kernels() []string {
-	ents, _ := fs.ReadDir(kernelFS, ".")
-	var out []string
-	for _, e := range ents {
-		if n, ok := strings.CutSuffix(e.Name(), ".cu"); ok {
-			out = append(out, n)
-		}
-	}
-	sort.Strings(out)
-	return out
 }
 
 // CopyKernels is the name of the gather/scatter copy kernel set.

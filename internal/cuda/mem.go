@@ -51,12 +51,6 @@ func (c *Context) MemcpyDtoD(dst, src DevicePtr, n uint64) error {
 	return check("cuMemcpyDtoD", cuMemcpyDtoD(c.h, dst, src, n))
 }
 
-// MemcpyPeer copies n bytes from src in srcCtx to dst in dstCtx (copy
-// engine over NVLink or PCIe), synchronously.
-func MemcpyPeer(dst DevicePtr, dstCtx *Context, src DevicePtr, srcCtx *Context, n uint64) error {
-	return check("cuMemcpyPeer", cuMemcpyPeer(dst, dstCtx.h, src, srcCtx.h, n))
-}
-
 // MemsetD8 sets n bytes to v, synchronously.
 func (c *Context) MemsetD8(dst DevicePtr, v byte, n uint64) error {
 	return check("cuMemsetD8", cuMemsetD8(c.h, dst, v, n))

@@ -59,35 +59,6 @@ func (l Layout) Offset(layer int, kind Kind, page int) int64 {
 	return (int64(layer*2+int(kind))*int64(l.Pages) + int64(page)) * int64(l.PageBytes())
 }
 
-// Span is a contiguous byte range of the pool.
-type Span struct {
-	Off int64
-	Len int64
-}
-
-// Spans lists the byte ranges that hold the given pages in every layer, K and
-// V, merging runs of consecutive pages into one span. The order is layer-major,
-// then K before V, then page order, on both sides of a transfer, so the i-th
-// span of a source list pairs with the i-th span of a destination list only
-// when both page lists have the same run structure; use Pairs for transfers.
-func (l Layout) Spans(pages []int32) []Span {
-	var out []Span
-	pb := int64(l.PageBytes())
-	for layer := 0; layer < l.Layers; layer++ {
-		for kind := K; kind <= V; kind++ {
-			for i := 0; i < len(pages); {
-				j := i + 1
-				for j < len(pages) && pages[j] == pages[j-1]+1 {
-					j++
-				}
-				out = append(out, Span{Off: l.Offset(layer, kind, int(pages[i])), Len: int64(j-i) * pb})
-				i = j
-			}
-		}
-	}
-	return out
-}
-
 // Pair is one contiguous copy from a source pool offset to a destination pool
 // offset.
 type Pair struct {

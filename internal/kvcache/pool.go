@@ -2,7 +2,6 @@ package kvcache
 
 import (
 	"fmt"
-	"unsafe"
 )
 
 // Pool is a KV pool in host memory: the layout, the memory and its allocator.
@@ -28,11 +27,4 @@ func NewPool(l Layout, mem []byte) (*Pool, error) {
 func (p *Pool) Page(layer int, kind Kind, page int) []byte {
 	off := p.Offset(layer, kind, page)
 	return p.Mem[off : off+int64(p.PageBytes())]
-}
-
-// PageF32 returns one page of one layer's K or V buffer as float32s
-// (ElemBytes must be 4).
-func (p *Pool) PageF32(layer int, kind Kind, page int) []float32 {
-	b := p.Page(layer, kind, page)
-	return unsafe.Slice((*float32)(unsafe.Pointer(&b[0])), len(b)/4)
 }

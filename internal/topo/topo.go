@@ -92,16 +92,6 @@ type Topology struct {
 	Links         []Link `json:"links"`
 }
 
-// Link returns the link between GPUs a and b (either order).
-func (t *Topology) Link(a, b int) (Link, bool) {
-	for _, l := range t.Links {
-		if (l.A == a && l.B == b) || (l.A == b && l.B == a) {
-			return l, true
-		}
-	}
-	return Link{}, false
-}
-
 // NormalizeBusID turns NVML's "00000000:19:00.0" into "0000:19:00.0"
 // (lower case), the form CUDA and sysfs use.
 func NormalizeBusID(s string) string {
