@@ -17,7 +17,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"math"
 	"runtime"
 	"sync"
 
@@ -403,30 +402,4 @@ func (b *Backend) alloc(n uint64) (cu.DevicePtr, error) {
 	}
 	b.allocs = append(b.allocs, p)
 	return p, nil
-}
-
-// invFreq is RoPE's inverse frequency per pair, with llama3 scaling, as the
-// CPU backend computes it.
-func invFreq(c *model.Config) []float64 {
-	half := c.HeadDim / 2
-	f := make([]float64, half)
-	for i := range f {
-		f[i] = 1 / math.Pow(c.RopeTheta, float64(2*i)/float64(c.HeadDim))
-	}
-	if s := c.RopeScaling; s != nil && s.Type == "llama3" {
-		lowWavelen := float64(s.OriginalMaxPositionEmbeddings) / s.LowFreqFactor
-		highWavelen := float64(s.OriginalMaxPositionEmbeddings) / s.HighFreqFactor
-		for i, x := range f {
-			wavelen := 2 * math.Pi / x
-			switch {
-			case wavelen < highWavelen:
-			case wavelen > lowWavelen:
-				f[i] = x / s.Factor
-			default:
-				smooth := (float64(s.OriginalMaxPositionEmbeddings)/wavelen - s.LowFreqFactor) / (s.HighFreqFactor - s.LowFreqFactor)
-				f[i] = (1-smooth)*x/s.Factor + smooth*x
-			}
-		}
-	}
-	return f
 }

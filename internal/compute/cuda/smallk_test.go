@@ -174,7 +174,7 @@ func TestSmallKernels(t *testing.T) {
 			if err := b.cx.MemcpyDtoH(unsafe.Slice((*byte)(unsafe.Pointer(&tab[0])), len(tab)*4), b.ropeTab); err != nil {
 				t.Fatal(err)
 			}
-			inv := invFreq(&b.cfg)
+			inv := b.cfg.InvFreq()
 			bad := 0
 			for _, p := range []int{0, 1, 2, 77, 255, 1000, b.ropeN - 1} {
 				for i := range half {

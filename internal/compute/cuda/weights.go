@@ -152,7 +152,7 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 			return err
 		}
 	}
-	inv := invFreq(c)
+	inv := c.InvFreq()
 	if b.rope, err = b.alloc(uint64(len(inv)) * 8); err != nil {
 		return err
 	}
