@@ -260,11 +260,13 @@ func (e *Engine) Submit(ctx context.Context, r *Request) (_ <-chan Event, err er
 		return nil, err
 	}
 	go forward(ctx, s.out, ch)
-	if s.gate != nil {
+	if gate := s.gate; gate != nil {
 		// Wake the loop when the gate opens (or the request ends first).
+		// The loop clears s.gate once it sees it open; this goroutine
+		// keeps its own copy.
 		go func() {
 			select {
-			case <-s.gate:
+			case <-gate:
 				e.signal()
 			case <-s.ended:
 			}
