@@ -243,6 +243,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 	ps := d.cfg.Info.Layout.PageSize
 	prompt := (len(req.InputIDs) + ps - 1) / ps
 	var info Info
+	posted := false // a registration went out: the prefill may hold the room
 	// Two tries: a remembered info may belong to a prefill that restarted
 	// since, which refuses the registration as meant for another process.
 	for try := 0; try < 2; try++ {
@@ -255,6 +256,7 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 		}
 		rr := RoomRequest{Room: room, Decode: d.cfg.Info, Pages: table.IDs()[:prompt], AuxAddr: d.aux.addr(slot),
 			Tokens: len(req.InputIDs), Held: held, Want: info.Incarnation}
+		posted = true
 		if err = d.post(bctx, boot+"/bootstrap/rooms", rr); err == nil {
 			break
 		}
@@ -267,8 +269,14 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 	bcancel()
 	if err != nil {
 		forget()
+		ended := ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded)
+		if posted && ended {
+			// The registration may have landed after all: have the
+			// prefill drop (or refuse) the room rather than keep it.
+			d.cancelRemote(boot, room, lg)
+		}
 		releaseAll()
-		if ctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) {
+		if ended {
 			return why(ReasonBootstrapTimeout, fmt.Errorf("bootstrap with prefill %s within %v: %w", boot, d.cfg.Timeout, err))
 		}
 		return roomErr(room, reasonOf(err, ReasonPeerDead), err)

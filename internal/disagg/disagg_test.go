@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,6 +24,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
+	"go.uber.org/zap"
 )
 
 // testLayout is a small KV pool: 2 layers, 4 tokens a page, 32 pages.
@@ -1041,4 +1043,27 @@ func TestAuxSlot(t *testing.T) {
 	old := a
 	old.AuxBytes = 16
 	mustContain(t, a.Check(old), "aux slot layout mismatch", fmt.Sprint(AuxSize), "16")
+}
+
+// TestCancelBeforeRegistration: a cancel that overtakes its room's
+// registration (the decode gave up while the registration was in flight)
+// leaves a tomb, so the prefill refuses the room when it comes instead of
+// keeping it until its own timeout.
+func TestCancelBeforeRegistration(t *testing.T) {
+	x := newPD(t, pdOpts{})
+	const room = 0xca9ce1
+	boot := "http://127.0.0.1:" + strconv.Itoa(x.p.Port())
+	x.d.cancelRemote(boot, room, zap.NewNop())
+	if x.p.Rooms() != 0 {
+		t.Fatalf("cancel of an unknown room opened %d rooms", x.p.Rooms())
+	}
+	res := wait(t, x.prepareDecode(context.Background(), &engine.Request{InputIDs: make([]int, 9)}, x.p.Port(), room), 2*time.Second)
+	mustContain(t, res.err, "already failed", "canceled")
+	preq := &engine.Request{InputIDs: make([]int, 9)}
+	if err := x.p.Prepare(context.Background(), preq, room); err == nil {
+		t.Fatal("prefill accepted a canceled room")
+	}
+	if x.dec.pages.Free() != testLayout.Pages || x.p.Rooms() != 0 {
+		t.Fatalf("decode free pages %d (want %d), prefill rooms %d", x.dec.pages.Free(), testLayout.Pages, x.p.Rooms())
+	}
 }

@@ -296,6 +296,13 @@ func (p *Prefill) handleCancel(r *http.Request, _ []byte) (int, any) {
 	}
 	p.mu.Lock()
 	rm := p.rooms[id]
+	if rm == nil {
+		// A cancel may overtake its room's registration: the tomb makes
+		// the prefill refuse the room when it comes.
+		if _, failed := p.failed[id]; !failed {
+			p.bury(id, roomErr(id, ReasonCanceled, errors.New("decode canceled the request")))
+		}
+	}
 	p.mu.Unlock()
 	if rm != nil {
 		rm.fail(ReasonCanceled, errors.New("decode canceled the request"))
