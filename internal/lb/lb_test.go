@@ -29,9 +29,13 @@ type fakeServer struct {
 	bodies  []map[string]any
 	headers []http.Header
 	release chan struct{} // decode waits for it before answering, if set
-	// gen, if set, answers /generate after the body was recorded.
-	gen  func(w http.ResponseWriter, r *http.Request)
-	load atomic.Pointer[map[string]any] // added to /get_server_info
+	// gen, if set, answers /generate after the body was recorded; answer,
+	// if set, too, with the body.
+	gen    func(w http.ResponseWriter, r *http.Request)
+	answer func(w http.ResponseWriter, r *http.Request, body map[string]any)
+	// healthGen, if set, is the status of /health_generate.
+	healthGen atomic.Int32
+	load      atomic.Pointer[map[string]any] // added to /get_server_info
 	// flushes counts POST /flush_cache; flushStatus, if set, is its answer.
 	flushes, flushStatus atomic.Int32
 }
@@ -45,6 +49,11 @@ func newFake(t *testing.T, mode string) *fakeServer {
 		}
 		switch r.URL.Path {
 		case "/health":
+		case "/health_generate":
+			if c := f.healthGen.Load(); c != 0 {
+				w.WriteHeader(int(c))
+				w.Write([]byte(`{"error":{"message":"health check generation failed: engine stopped","code":503}}`))
+			}
 		case "/get_server_info":
 			info := map[string]any{"disaggregation_mode": f.mode, "bootstrap_port": 9123}
 			if l := f.load.Load(); l != nil {
@@ -66,6 +75,10 @@ func newFake(t *testing.T, mode string) *fakeServer {
 			f.bodies = append(f.bodies, m)
 			f.headers = append(f.headers, r.Header.Clone())
 			f.mu.Unlock()
+			if f.answer != nil {
+				f.answer(w, r, m)
+				return
+			}
 			if f.gen != nil {
 				f.gen(w, r)
 				return
