@@ -130,7 +130,7 @@ func (l *LB) fanOut(ctx context.Context, method, path string, timeout time.Durat
 // handleHealthGenerate is SGLang's GET /health_generate for the whole
 // deployment: every server generates a token; 200 when at least one
 // prefill and one decode of their roles did (a pair can generate), else
-// 503. Both name each server's outcome.
+// 503, naming each server's outcome.
 func (l *LB) handleHealthGenerate(w http.ResponseWriter, r *http.Request) {
 	out := l.fanOut(r.Context(), http.MethodGet, "/health_generate", healthGenerateTimeout)
 	ok := map[string]bool{}
@@ -152,7 +152,7 @@ func (l *LB) handleHealthGenerate(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusServiceUnavailable, map[string]any{"error": errorObject(http.StatusServiceUnavailable, msg), "servers": out})
 		return
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"message": "a prefill/decode pair can generate", "servers": out})
+	w.WriteHeader(http.StatusOK)
 }
 
 // errorObject is the {"message", "type", "param", "code"} of an error.
