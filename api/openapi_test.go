@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/getkin/kin-openapi/openapi3"
 	"github.com/getkin/kin-openapi/openapi3filter"
@@ -25,6 +26,8 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
+	"github.com/mooncake-go/mooncake-go/internal/lb"
+	"github.com/mooncake-go/mooncake-go/internal/lb/lbtest"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 	"github.com/mooncake-go/mooncake-go/internal/server"
 	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
@@ -202,6 +205,90 @@ func TestOpenAPI(t *testing.T) {
 	for _, p := range doc.Paths.InMatchingOrder() {
 		if !covered[p] {
 			t.Errorf("openapi.yaml's %s is never exercised", p)
+		}
+	}
+}
+
+// realLB is a load balancer over a real prefill and decode (lbtest).
+func realLB(t *testing.T) *httptest.Server {
+	t.Helper()
+	srv := lbtest.Start(t)
+	reg := prometheus.NewRegistry()
+	l, err := lb.New(lb.Config{Prefill: []string{srv.Prefill}, Decode: []string{srv.Decode}, HealthInterval: 50 * time.Millisecond,
+		MaxBatch: 16, Registerer: reg, Gatherer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { l.Run(ctx); close(done) }()
+	ts := httptest.NewServer(l.Handler())
+	t.Cleanup(func() { ts.Close(); cancel(); <-done })
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		resp, err := http.Get(ts.URL + "/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return ts
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the LB has no healthy pair")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestOpenAPILB validates the load balancer's answers, over a real prefill and
+// decode, against the operations marked x-lb: every one is exercised.
+func TestOpenAPILB(t *testing.T) {
+	openapi3filter.RegisterBodyDecoder("text/event-stream", func(r io.Reader, _ http.Header, _ *openapi3.SchemaRef, _ openapi3filter.EncodingFn) (any, error) {
+		b, err := io.ReadAll(r)
+		return string(b), err
+	})
+	defer openapi3filter.UnregisterBodyDecoder("text/event-stream")
+	doc := loadDoc(t)
+	router, err := legacy.NewRouter(doc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts := realLB(t)
+	calls := []struct {
+		method, path, body string
+		status             int
+	}{
+		{"POST", "/generate", `{"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}`, 200},
+		{"POST", "/generate", `{"text": ["a", "b"], "return_logprob": true, "top_logprobs_num": 2, "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 3}}`, 200},
+		{"POST", "/generate", `{"input_ids": [[1, 2, 3], [4, 5]], "rid": ["x", "y"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3, "n": 1}]}`, 200},
+		{"POST", "/generate", `{"text": "hello", "sampling_params": {"n": 3, "max_new_tokens": 2, "seed": 5}}`, 200},
+		{"POST", "/generate", `{"text": ["a", "b"], "stream": true, "return_logprob": true, "sampling_params": {"max_new_tokens": 3, "n": 2}}`, 200},
+		{"POST", "/generate", `{"text": ["a", "b"], "sampling_params": {"n": 9}}`, 400},
+		{"POST", "/v1/completions", `{"prompt": [[1, 2], [3]], "n": 2, "max_tokens": 2}`, 200},
+		{"POST", "/v1/completions", `{"prompt": ["a", "b"], "max_tokens": 3, "stream": true, "stream_options": {"include_usage": true}}`, 200},
+		{"POST", "/v1/completions", `{"prompt": ["a", "b"], "model": "gpt-4"}`, 404},
+		{"POST", "/v1/chat/completions", `{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}`, 200},
+		{"POST", "/v1/chat/completions", `{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": true, "n": 2, "stream_options": {"include_usage": true}}`, 200},
+		{"GET", "/v1/models", "", 200},
+		{"GET", "/v1/models/builtin", "", 200},
+		{"GET", "/health", "", 200},
+		{"GET", "/health_generate", "", 200},
+		{"GET", "/get_model_info", "", 200},
+		{"GET", "/get_server_info", "", 200},
+		{"GET", "/server_info", "", 200},
+		{"POST", "/flush_cache", "", 200},
+		{"GET", "/metrics", "", 200},
+	}
+	covered := map[string]bool{}
+	for _, c := range calls {
+		check(t, doc, router, ts.URL, c.method, c.path, c.body, c.status)
+		route, _, _ := router.FindRoute(httptest.NewRequest(c.method, c.path, nil))
+		covered[route.Path] = true
+	}
+	for p, item := range doc.Paths.Map() {
+		for _, op := range item.Operations() {
+			if lbOp, _ := op.Extensions["x-lb"].(bool); lbOp != covered[p] {
+				t.Errorf("openapi.yaml's %s: x-lb %v, exercised through the LB %v", p, lbOp, covered[p])
+			}
 		}
 	}
 }

@@ -184,13 +184,13 @@ func TestSGLangConfig(t *testing.T) {
 	}
 }
 
-// TestNormalizeArgs: SGLang's list flags and gflags' single dash.
+// TestNormalizeArgs: SGLang's list flags, lb's server lists and gflags' single dash.
 func TestNormalizeArgs(t *testing.T) {
 	for _, c := range []struct{ in, want string }{
 		{"serve --cuda-graph-bs 1 2 4 --port 1", "serve --cuda-graph-bs=1,2,4 --port 1"},
 		{"serve --lora-paths a=b --tp 1", "serve --lora-paths=a=b --tp 1"},
 		{"bench transfer -mode=target -metadata_server=P2PHANDSHAKE --duration 3", "bench transfer --mode=target --metadata_server=P2PHANDSHAKE --duration 3"},
-		{"lb --prefill a b", "lb --prefill a b"},
+		{"lb --prefill a b --decode=c 8998 --port 1", "lb --prefill=a,b --decode=c,8998 --port 1"}, // lb's server lists (lb_test.go)
 	} {
 		if got := strings.Join(normalizeArgs(strings.Fields(c.in)), " "); got != c.want {
 			t.Errorf("%q: %q, want %q", c.in, got, c.want)

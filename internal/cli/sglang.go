@@ -219,11 +219,14 @@ func listFlags() map[string]bool {
 
 // normalizeArgs rewrites the command lines of SGLang's and Mooncake's tools into
 // what pflag reads: serve's "--flag a b c" for SGLang's list flags becomes
-// "--flag=a,b,c"; bench transfer's gflags-style "-flag=v" becomes "--flag=v".
+// "--flag=a,b,c" (lb's server lists: joinLBArgs); bench transfer's gflags-style
+// "-flag=v" becomes "--flag=v".
 func normalizeArgs(args []string) []string {
 	switch {
 	case len(args) > 0 && args[0] == "serve":
 		return joinListArgs(args)
+	case len(args) > 0 && args[0] == "lb":
+		return joinLBArgs(args)
 	case len(args) > 1 && args[0] == "bench" && args[1] == "transfer":
 		out := slices.Clone(args)
 		for i, a := range out {

@@ -23,11 +23,31 @@ type backend struct {
 	url      *url.URL
 	healthy  atomic.Bool
 	inflight atomic.Int64
-	// bootstrapPort is learned from the prefill's /get_server_info (0 until known).
+	// bootstrapPort is the prefill's bootstrap port: flagPort when given,
+	// else learned from its /get_server_info (0 until known).
 	bootstrapPort atomic.Int64
+	flagPort      int                  // given on the command line (0: the server's)
 	load          atomic.Pointer[load] // from the last passed check; nil until one passed
 	lastOK        atomic.Int64         // unix nanoseconds of the last passed check
+	// why is the reason of the last failed check (nil after a passed
+	// one); of Kind role, the server is refused.
+	why atomic.Pointer[checkError]
+
+	// The health checks' own state (one check of a server runs at a time).
+	checked      bool  // a check ran
+	reportedPort int64 // the bootstrap port the server last reported
+	warnedPort   int64 // the last reported port logged as a mismatch
 }
+
+// checkError is why a server failed a health check.
+type checkError struct {
+	Kind string // unreachable, health, info, role, bootstrap
+	Msg  string
+	Err  error // the cause, if any
+}
+
+func (e *checkError) Error() string { return e.Msg }
+func (e *checkError) Unwrap() error { return e.Err }
 
 // load is what a server's /get_server_info says about its room.
 type load struct {
@@ -56,7 +76,7 @@ func (b *backend) full() bool {
 	return l.full() && b.inflight.Load() >= l.inflight
 }
 
-func newBackend(role string, id int, raw string) (*backend, error) {
+func newBackend(role string, id int, raw string, flagPort int) (*backend, error) {
 	u, err := url.Parse(raw)
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("--%s %q: want http://host:port", role, raw)
@@ -67,7 +87,9 @@ func newBackend(role string, id int, raw string) (*backend, error) {
 		}
 	}
 	u.Path = ""
-	return &backend{role: role, id: id, url: u}, nil
+	b := &backend{role: role, id: id, url: u, flagPort: flagPort}
+	b.bootstrapPort.Store(int64(flagPort))
+	return b, nil
 }
 
 func (b *backend) String() string { return b.url.String() }
@@ -79,46 +101,71 @@ func (b *backend) usable() bool {
 	return b.healthy.Load() && (b.role != "prefill" || b.bootstrapPort.Load() > 0)
 }
 
-// check probes /health and /get_server_info: the server's load and, for a
-// prefill server, its bootstrap port.
-func (b *backend) check(ctx context.Context, c *http.Client, timeout time.Duration) error {
+// modeName says what a disaggregation_mode is.
+func modeName(mode string) string {
+	switch mode {
+	case "prefill", "decode":
+		return "a " + mode + " server"
+	case "null", "":
+		return "a colocated server"
+	}
+	return "an unknown mode"
+}
+
+// check probes /health and /get_server_info: the server's role, its load
+// and, for a prefill server, its bootstrap port.
+func (b *backend) check(ctx context.Context, c *http.Client, timeout time.Duration) *checkError {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, b.endpoint("/health"), nil)
 	resp, err := c.Do(req)
 	if err != nil {
-		return err
+		return &checkError{Kind: "unreachable", Msg: "GET /health: " + err.Error(), Err: err}
 	}
 	io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("/health answered %d", resp.StatusCode)
+		return &checkError{Kind: "health", Msg: fmt.Sprintf("/health answered %d", resp.StatusCode)}
 	}
 	req, _ = http.NewRequestWithContext(ctx, http.MethodGet, b.endpoint("/get_server_info"), nil)
 	resp, err = c.Do(req)
 	if err != nil {
-		return err
+		return &checkError{Kind: "unreachable", Msg: "GET /get_server_info: " + err.Error(), Err: err}
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("/get_server_info answered %d", resp.StatusCode)
+		return &checkError{Kind: "info", Msg: fmt.Sprintf("/get_server_info answered %d", resp.StatusCode)}
 	}
 	var info struct {
 		Mode          string `json:"disaggregation_mode"`
-		BootstrapPort int    `json:"bootstrap_port"`
+		BootstrapPort int64  `json:"bootstrap_port"`
+		// SGLang's servers report the flag.
+		FlagBootstrapPort int64 `json:"disaggregation_bootstrap_port"`
 		load
 	}
 	if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&info); err != nil {
-		return fmt.Errorf("/get_server_info: %w", err)
+		return &checkError{Kind: "info", Msg: "/get_server_info: " + err.Error(), Err: err}
 	}
 	if info.Mode != b.role {
-		return fmt.Errorf("is not a %s server (disaggregation_mode %q)", b.role, info.Mode)
+		return &checkError{Kind: "role", Msg: fmt.Sprintf("its /get_server_info says disaggregation_mode %q (%s), but it was given as --%s",
+			info.Mode, modeName(info.Mode), b.role)}
 	}
 	if b.role == "prefill" {
-		if info.BootstrapPort <= 0 || info.BootstrapPort > 65535 {
-			return fmt.Errorf("/get_server_info has no bootstrap_port")
+		port := info.BootstrapPort
+		if port == 0 {
+			port = info.FlagBootstrapPort
 		}
-		b.bootstrapPort.Store(int64(info.BootstrapPort))
+		if port < 0 || port > 65535 {
+			port = 0
+		}
+		b.reportedPort = port
+		switch {
+		case b.flagPort > 0: // the command line's wins
+		case port == 0:
+			return &checkError{Kind: "bootstrap", Msg: "its /get_server_info has no bootstrap_port (give it after the URL: --prefill URL PORT)"}
+		default:
+			b.bootstrapPort.Store(port)
+		}
 	}
 	info.load.inflight = b.inflight.Load()
 	b.load.Store(&info.load)

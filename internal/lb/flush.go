@@ -1,13 +1,9 @@
 package lb
 
 import (
-	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"time"
 )
 
@@ -20,46 +16,8 @@ const flushTimeout = 10 * time.Second
 // when the failures are the servers' 4xx, as from one without a prefix
 // cache; 502 otherwise), with each server's outcome.
 func (l *LB) handleFlushCache(w http.ResponseWriter, r *http.Request) {
-	type outcome struct {
-		URL     string `json:"url"`
-		Role    string `json:"role"`
-		Status  int    `json:"status,omitempty"`
-		Message string `json:"message,omitempty"`
-	}
-	all := append(append([]*backend{}, l.prefill...), l.decode...)
-	out := make([]outcome, len(all))
-	var wg sync.WaitGroup
-	for i, b := range all {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			out[i] = outcome{URL: b.String(), Role: b.role}
-			ctx, cancel := context.WithTimeout(r.Context(), flushTimeout)
-			defer cancel()
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.endpoint("/flush_cache"), nil)
-			resp, err := l.client.Do(req)
-			if err != nil {
-				out[i].Message = err.Error()
-				return
-			}
-			defer resp.Body.Close()
-			out[i].Status = resp.StatusCode
-			if resp.StatusCode != http.StatusOK {
-				raw, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-				var e struct {
-					Error struct {
-						Message string `json:"message"`
-					} `json:"error"`
-				}
-				out[i].Message = strings.TrimSpace(string(raw))
-				if json.Unmarshal(raw, &e) == nil && e.Error.Message != "" {
-					out[i].Message = e.Error.Message
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	for _, b := range all {
+	out := l.fanOut(r.Context(), http.MethodPost, "/flush_cache", flushTimeout)
+	for _, b := range l.all() {
 		if f, ok := l.policy[b.role].(Forgetter); ok {
 			f.Forget(b.id)
 		}
@@ -80,8 +38,7 @@ func (l *LB) handleFlushCache(w http.ResponseWriter, r *http.Request) {
 		failed = append(failed, fmt.Sprintf("%s server %s: %s", o.Role, o.URL, o.Message))
 	}
 	if code != http.StatusOK {
-		writeJSON(w, code, map[string]any{"error": map[string]any{"message": "flushing the servers' caches: " + strings.Join(failed, "; "),
-			"type": errorType(code), "code": code}, "servers": out})
+		writeJSON(w, code, map[string]any{"error": errorObject(code, "flushing the servers' caches: "+strings.Join(failed, "; ")), "servers": out})
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]any{"message": "Cache flushed.", "servers": out})

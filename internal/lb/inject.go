@@ -16,11 +16,11 @@ import (
 // every spelling encoding/json would match to them (see matchName), so the
 // servers decode only the LB's.
 type request struct {
-	body   []byte
-	keep   [][2]int // [start, end) of each member kept
-	stream bool     // the last "stream" member is true
-	prompt [2]int   // the value of the first prompt member (see isPromptName)
-	spans  [8][2]int
+	body    []byte
+	members []jsonMember // the members kept, in order
+	stream  bool         // the last "stream" member is true
+	prompt  [2]int       // the value of the first prompt member (see isPromptName)
+	arr     [12]jsonMember
 }
 
 // Member names inject looks at, by index.
@@ -43,7 +43,7 @@ func parseRequest(body []byte) (*request, error) {
 		return nil, errors.New("request body is not a JSON object")
 	}
 	req := &request{body: body}
-	req.keep = req.spans[:0]
+	req.members = req.arr[:0]
 	s.ws()
 	if !s.eat('}') {
 		for {
@@ -70,7 +70,7 @@ func parseRequest(body []byte) (*request, error) {
 				if req.prompt[1] == 0 && isPromptName(key) {
 					req.prompt = [2]int{vstart, s.i}
 				}
-				req.keep = append(req.keep, [2]int{start, s.i})
+				req.members = append(req.members, jsonMember{name: memberName(key), key: [2]int{start, start + len(key)}, value: [2]int{vstart, s.i}})
 			}
 			s.ws()
 			if s.eat('}') {
@@ -117,8 +117,8 @@ func (r *request) key() []byte {
 // kept members.
 func (r *request) with(host string, port int64, room uint64) []byte {
 	n := len(host) + 96
-	for _, k := range r.keep {
-		n += k[1] - k[0] + 1
+	for _, m := range r.members {
+		n += m.value[1] - m.key[0] + 1
 	}
 	out := make([]byte, 0, n)
 	out = append(out, `{"bootstrap_host":`...)
@@ -127,9 +127,9 @@ func (r *request) with(host string, port int64, room uint64) []byte {
 	out = strconv.AppendInt(out, port, 10)
 	out = append(out, `,"bootstrap_room":`...)
 	out = strconv.AppendUint(out, room, 10)
-	for _, k := range r.keep {
+	for _, m := range r.members {
 		out = append(out, ',')
-		out = append(out, r.body[k[0]:k[1]]...)
+		out = append(out, r.body[m.key[0]:m.value[1]]...)
 	}
 	return append(out, '}')
 }

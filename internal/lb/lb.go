@@ -28,7 +28,12 @@ import (
 // Config configures a load balancer. Zero values mean the defaults noted.
 type Config struct {
 	Prefill []string // prefill server URLs (at least one)
-	Decode  []string // decode server URLs (at least one)
+	// PrefillBootstrapPorts are the prefills' bootstrap ports, in Prefill's
+	// order (nil, or one per prefill; 0: the port the server reports). A
+	// port given here is used instead of the server's; a mismatch is
+	// logged.
+	PrefillBootstrapPorts []int
+	Decode                []string // decode server URLs (at least one)
 	// Policy names the policy that picks each role's server (default
 	// random); Policies has the names (nil: BuiltinPolicies). A request
 	// goes to a server with room when one has room, whatever the policy.
@@ -51,6 +56,15 @@ type Config struct {
 	HTTPReadTimeout time.Duration
 	// MaxBodyBytes caps a request body (default 8 MiB).
 	MaxBodyBytes int64
+	// MaxBatch bounds the generations of one request, prompts times n
+	// (default 256): the LB sends each as a request of its own.
+	MaxBatch int
+	// BatchConcurrency bounds how many of one request's generations are in
+	// flight at once (default 64).
+	BatchConcurrency int
+	// MaxAnswerBytes bounds the answers of one batch read whole, all
+	// together (default 256 MiB).
+	MaxAnswerBytes int64
 	// Secret signs a voucher for the bootstrap fields of each request
 	// (header voucher.Header), which the servers check. The zero Secret
 	// sends none: the servers must then take unsigned bootstrap fields.
@@ -66,6 +80,9 @@ const (
 	DefaultUpstreamIdleTimeout = 30 * time.Second
 	DefaultHTTPReadTimeout     = 30 * time.Second
 	DefaultMaxBodyBytes        = 8 << 20
+	DefaultMaxBatch            = 256
+	DefaultBatchConcurrency    = 64
+	DefaultMaxAnswerBytes      = 256 << 20
 )
 
 // withDefaults is c with its zero values replaced by the defaults.
@@ -87,6 +104,15 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxBodyBytes == 0 {
 		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if c.MaxBatch == 0 {
+		c.MaxBatch = DefaultMaxBatch
+	}
+	if c.BatchConcurrency == 0 {
+		c.BatchConcurrency = DefaultBatchConcurrency
+	}
+	if c.MaxAnswerBytes == 0 {
+		c.MaxAnswerBytes = DefaultMaxAnswerBytes
 	}
 	return c
 }
@@ -115,6 +141,22 @@ func (c *Config) Validate() error {
 	}
 	if c.MaxBodyBytes < 0 {
 		return fmt.Errorf("MaxBodyBytes %d is negative", c.MaxBodyBytes)
+	}
+	if n := len(c.PrefillBootstrapPorts); n != 0 && n != len(c.Prefill) {
+		return fmt.Errorf("--prefill-bootstrap-ports: %d ports for %d prefill servers", n, len(c.Prefill))
+	}
+	for i, p := range c.PrefillBootstrapPorts {
+		if p < 0 || p > 65535 {
+			return fmt.Errorf("--prefill %s: bootstrap port %d: want 1 to 65535", c.Prefill[i], p)
+		}
+	}
+	switch {
+	case c.MaxBatch < 0:
+		return fmt.Errorf("--max-batch %d is negative", c.MaxBatch)
+	case c.BatchConcurrency < 0:
+		return fmt.Errorf("--batch-concurrency %d is negative", c.BatchConcurrency)
+	case c.MaxAnswerBytes < 0:
+		return fmt.Errorf("MaxAnswerBytes %d is negative", c.MaxAnswerBytes)
 	}
 	// An answer sent whole is alive while its server passes health checks.
 	if e := c.withDefaults(); e.HealthInterval >= e.UpstreamIdleTimeout {
@@ -158,7 +200,11 @@ func New(cfg Config) (*LB, error) {
 		bs   *[]*backend
 	}{{"prefill", cfg.Prefill, &l.prefill}, {"decode", cfg.Decode, &l.decode}} {
 		for i, u := range r.urls {
-			b, err := newBackend(r.role, i, u)
+			port := 0
+			if r.role == "prefill" && len(cfg.PrefillBootstrapPorts) > 0 {
+				port = cfg.PrefillBootstrapPorts[i]
+			}
+			b, err := newBackend(r.role, i, u, port)
 			if err != nil {
 				return nil, err
 			}
@@ -206,30 +252,6 @@ func (l *LB) Run(ctx context.Context) error {
 // Ready is closed after the first round of health checks.
 func (l *LB) Ready() <-chan struct{} { return l.ready }
 
-func (l *LB) checkAll(ctx context.Context) {
-	var wg sync.WaitGroup
-	for _, b := range append(append([]*backend{}, l.prefill...), l.decode...) {
-		wg.Add(1)
-		go func(b *backend) {
-			defer wg.Done()
-			err := b.check(ctx, l.client, l.cfg.HealthInterval)
-			was := b.healthy.Load()
-			b.healthy.Store(err == nil)
-			l.m.healthy.WithLabelValues(b.role, b.String()).Set(b2f(err == nil))
-			switch {
-			case err != nil && was:
-				l.lg.Warn("server unhealthy: not routing to it", zap.String("role", b.role), zap.String("url", b.String()), zap.Error(err))
-			case err == nil && !was && b.role == "prefill":
-				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()),
-					zap.Int64("bootstrap_port", b.bootstrapPort.Load()))
-			case err == nil && !was:
-				l.lg.Info("server healthy: routing to it", zap.String("role", b.role), zap.String("url", b.String()))
-			}
-		}(b)
-	}
-	wg.Wait()
-}
-
 func b2f(b bool) float64 {
 	if b {
 		return 1
@@ -276,22 +298,40 @@ func (l *LB) pick(bs []*backend, not *backend, key []byte) *backend {
 	return ok[i]
 }
 
-// Handler serves the LB's HTTP API.
+// Handler serves the LB's HTTP API. Every error, an unknown path's
+// included, is {"error": {message, type, param, code}}.
 func (l *LB) Handler() http.Handler {
 	mux := http.NewServeMux()
-	for _, p := range []string{"/generate", "/v1/completions", "/v1/chat/completions"} {
-		mux.HandleFunc("POST "+p, l.handleGenerate)
+	handle := func(method, path string, h http.HandlerFunc) {
+		mux.HandleFunc(path, func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != method && (method != http.MethodGet || r.Method != http.MethodHead) {
+				w.Header().Set("Allow", method)
+				writeError(w, http.StatusMethodNotAllowed, fmt.Sprintf("method %s not allowed on %s (use %s)", r.Method, path, method))
+				return
+			}
+			h(w, r)
+		})
 	}
-	mux.HandleFunc("GET /v1/models", l.proxyGet)
-	mux.HandleFunc("GET /get_model_info", l.proxyGet)
-	mux.HandleFunc("GET /health", l.handleHealth)
-	mux.HandleFunc("GET /get_server_info", l.handleInfo)
-	mux.HandleFunc("POST /flush_cache", l.handleFlushCache)
+	for _, p := range []string{"/generate", "/v1/completions", "/v1/chat/completions"} {
+		handle(http.MethodPost, p, l.handleGenerate)
+	}
+	handle(http.MethodGet, "/v1/models", l.proxyGet)
+	handle(http.MethodGet, "/v1/models/{model...}", l.proxyGet)
+	handle(http.MethodGet, "/get_model_info", l.proxyGet)
+	handle(http.MethodGet, "/health", l.handleHealth)
+	handle(http.MethodGet, "/health_generate", l.handleHealthGenerate)
+	handle(http.MethodGet, "/get_server_info", l.handleInfo)
+	handle(http.MethodGet, "/server_info", l.handleInfo)
+	handle(http.MethodPost, "/flush_cache", l.handleFlushCache)
 	g := l.cfg.Gatherer
 	if g == nil {
 		g = prometheus.NewRegistry()
 	}
-	mux.Handle("GET /metrics", promhttp.HandlerFor(g, promhttp.HandlerOpts{}))
+	metrics := promhttp.HandlerFor(g, promhttp.HandlerOpts{})
+	handle(http.MethodGet, "/metrics", metrics.ServeHTTP)
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, fmt.Sprintf("no such endpoint: %s %s", r.Method, r.URL.Path))
+	})
 	return mux
 }
 
@@ -303,24 +343,33 @@ func (l *LB) handleHealth(w http.ResponseWriter, r *http.Request) {
 	w.WriteHeader(http.StatusOK)
 }
 
+// handleInfo is the LB's /get_server_info: each server by role and index
+// (the index is the label of the LB's per-server metrics), its URL and
+// state.
 func (l *LB) handleInfo(w http.ResponseWriter, r *http.Request) {
 	type srv struct {
+		Index         int    `json:"index"`
 		URL           string `json:"url"`
 		Healthy       bool   `json:"healthy"`
+		Reason        string `json:"reason,omitempty"` // why it is not routed to
 		Inflight      int64  `json:"inflight"`
 		BootstrapPort int64  `json:"bootstrap_port,omitempty"`
 		Full          bool   `json:"full"`
 		Load          *load  `json:"load,omitempty"`
 	}
 	list := func(bs []*backend) []srv {
-		var out []srv
+		out := []srv{}
 		for _, b := range bs {
-			ld := b.load.Load()
-			out = append(out, srv{b.String(), b.healthy.Load(), b.inflight.Load(), b.bootstrapPort.Load(), b.full(), ld})
+			s := srv{Index: b.id, URL: b.String(), Healthy: b.healthy.Load(), Inflight: b.inflight.Load(),
+				BootstrapPort: b.bootstrapPort.Load(), Full: b.full(), Load: b.load.Load()}
+			if why := b.why.Load(); why != nil {
+				s.Reason = why.Msg
+			}
+			out = append(out, s)
 		}
 		return out
 	}
-	writeJSON(w, http.StatusOK, map[string]any{"role": "lb", "policy": l.cfg.Policy,
+	writeJSON(w, http.StatusOK, map[string]any{"role": "lb", "policy": l.cfg.Policy, "max_batch": l.cfg.MaxBatch,
 		"prefill": list(l.prefill), "decode": list(l.decode)})
 }
 
@@ -360,8 +409,9 @@ func newRoom() uint64 {
 }
 
 // handleGenerate sends one request to a (prefill, decode) pair and streams
-// the decode server's answer back. A pair that fails before anything reached
-// the client is replaced once (see generate).
+// the decode server's answer back; a batch or n > 1 is split first, one
+// room per generation (see split). A pair that fails before anything
+// reached the client is replaced once (see run).
 func (l *LB) handleGenerate(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
 	code := l.generate(w, r)
@@ -369,11 +419,6 @@ func (l *LB) handleGenerate(w http.ResponseWriter, r *http.Request) {
 	l.m.seconds.Observe(time.Since(start).Seconds())
 }
 
-// generate runs the request on a pair; when the attempt fails before any
-// byte reached the client and another pair may do better (a server
-// unreachable, a 5xx other than 504, overloaded), it runs once more on a
-// pair without the server that failed. The client then gets the second
-// attempt's outcome; its error names both causes.
 func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	body, err := readBody(w, r, l.cfg.MaxBodyBytes)
 	if err != nil {
@@ -387,39 +432,54 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 	if err != nil {
 		return writeError(w, http.StatusBadRequest, err.Error())
 	}
+	sp, f := l.split(r.URL.Path, req)
+	switch {
+	case f != nil:
+		return f.write(w)
+	case sp != nil:
+		return l.generateSplit(w, r, sp)
+	}
 	key := req.key()
 	p, d := l.pick(l.prefill, nil, key), l.pick(l.decode, nil, key)
 	if p == nil || d == nil {
 		return writeError(w, http.StatusServiceUnavailable, "no healthy prefill/decode pair")
 	}
-	code, first := l.attempt(w, r, req, p, d)
-	if first == nil {
-		return code
+	up, f := l.run(r.Context(), r.URL.Path, req, p, d)
+	if f != nil {
+		if f.gone {
+			return statusClientClosed
+		}
+		return f.write(w)
 	}
-	if r.Context().Err() != nil {
-		return statusClientClosed
+	return l.relay(w, r, up)
+}
+
+// run runs the request on the pair (p, d) until the decode's answer
+// starts; when the attempt fails and another pair may do better (a server
+// unreachable, a 5xx other than 504, overloaded), it runs once more on a
+// pair without the server that failed. The caller gets the second
+// attempt's outcome; its error names both causes.
+func (l *LB) run(ctx context.Context, path string, req *request, p, d *backend) (*upstream, *failure) {
+	up, first := l.open(ctx, path, req, p, d)
+	if first == nil || first.gone || !first.retry {
+		return up, first
 	}
-	if !first.retry {
-		return first.write(w)
-	}
+	key := req.key()
 	if first.role == "prefill" {
 		p = l.pick(l.prefill, p, key)
 	} else {
 		d = l.pick(l.decode, d, key)
 	}
 	if p == nil || d == nil { // no other pair: the first failure stands
-		return first.write(w)
+		return nil, first
 	}
 	l.m.retries.WithLabelValues(first.role, first.cause).Inc()
 	l.lg.Warn("retrying on another pair", zap.String("role", first.role), zap.String("cause", first.cause), zap.String("error", first.msg))
-	code, f := l.attempt(w, r, req, p, d)
-	if f == nil {
-		return code
-	}
-	if f.raw == nil {
+	up, f := l.open(ctx, path, req, p, d)
+	if f != nil && f.raw == nil && !f.gone {
 		f.msg += "; first attempt: " + first.msg
 	}
-	return f.write(w)
+	return up, f
 }
 
 // failure is an attempt that failed before anything was written to the
@@ -427,18 +487,30 @@ func (l *LB) generate(w http.ResponseWriter, r *http.Request) int {
 type failure struct {
 	code  int    // status for the client
 	msg   string // names the server and the cause
+	param string // the request field at fault, if the LB knows it
 	raw   []byte // a server's own 4xx error body, passed on as is
 	role  string // the side that failed: prefill or decode
 	cause string // metric label: unreachable, overloaded, error, rejected, idle
 	retry bool   // another pair may do better
+	gone  bool   // the client went away (or the request was canceled): nothing to answer
 }
 
 func (f *failure) write(w http.ResponseWriter) int {
 	if f.raw != nil {
 		return writeRaw(w, f.code, f.raw)
 	}
-	return writeError(w, f.code, f.msg)
+	return writeErrorParam(w, f.code, f.msg, f.param)
 }
+
+// body is the failure's error object, as an HTTP body or an SSE event.
+func (f *failure) body() []byte {
+	if f.raw != nil && json.Valid(f.raw) {
+		return f.raw
+	}
+	return errorBody(f.code, f.msg, f.param)
+}
+
+var errGone = &failure{code: statusClientClosed, msg: "the client went away", gone: true}
 
 // connFailure is a server that did not answer.
 func connFailure(b *backend, err error) *failure {
@@ -479,9 +551,26 @@ func upstreamFailure(b *backend, resp *http.Response) *failure {
 	return f
 }
 
-// attempt runs the request on the pair (p, d). It returns the status sent
-// to the client, or a failure when nothing was sent.
-func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d *backend) (int, *failure) {
+// upstream is a decode answer that started (status below 400). Its reader
+// reads resp.Body and then calls done once.
+type upstream struct {
+	resp   *http.Response
+	d      *backend
+	wd     *watchdog
+	lg     *zap.Logger
+	stream bool // the answer is an event stream
+	finish func(ok bool)
+}
+
+// done releases the attempt: ok, the answer was read to its end (the
+// prefill's own answer may then drain, bounded); else both sides are
+// canceled.
+func (u *upstream) done(ok bool) { u.finish(ok) }
+
+// open sends the request to the pair (p, d) under a new room and waits
+// for the decode's answer to start: an upstream for its reader, or a
+// failure when nothing can be sent to the client.
+func (l *LB) open(ctx context.Context, path string, req *request, p, d *backend) (*upstream, *failure) {
 	room := newRoom()
 	host, port := p.url.Hostname(), p.bootstrapPort.Load()
 	body := req.with(host, port, room)
@@ -493,25 +582,29 @@ func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d 
 
 	p.inflight.Add(1)
 	d.inflight.Add(1)
-	defer p.inflight.Add(-1)
-	defer d.inflight.Add(-1)
-
 	// The decode request lives as long as the client's. The prefill request
 	// is canceled with it on every failure path (client gone, decode
 	// failed), but on success it may finish its answer after the decode
 	// stream ended: it is left to drain, bounded.
-	ctx, cancel := context.WithCancel(r.Context())
-	defer cancel()
-	pctx, pcancel := context.WithCancel(context.WithoutCancel(r.Context()))
+	ctx, cancel := context.WithCancel(ctx)
+	pctx, pcancel := context.WithCancel(context.WithoutCancel(ctx))
 	stopP := context.AfterFunc(ctx, pcancel)
-	succeeded := false
-	defer func() {
-		if succeeded && stopP() {
+	wd := l.watch(d, req.stream, cancel)
+	var resp *http.Response
+	finish := func(ok bool) {
+		if resp != nil {
+			resp.Body.Close()
+		}
+		wd.stop()
+		if ok && stopP() {
 			time.AfterFunc(prefillDrain, pcancel)
 		} else {
 			pcancel()
 		}
-	}()
+		cancel()
+		d.inflight.Add(-1)
+		p.inflight.Add(-1)
+	}
 	type result struct {
 		resp *http.Response
 		err  error
@@ -519,7 +612,7 @@ func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d 
 	send := func(ctx context.Context, b *backend) chan result {
 		ch := make(chan result, 1)
 		go func() {
-			hreq, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.endpoint(r.URL.Path), bytes.NewReader(body))
+			hreq, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.endpoint(path), bytes.NewReader(body))
 			hreq.Header.Set("Content-Type", "application/json")
 			if vouch != "" {
 				hreq.Header.Set(voucher.Header, vouch)
@@ -529,8 +622,6 @@ func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d 
 		}()
 		return ch
 	}
-	wd := l.watch(d, req.stream, cancel)
-	defer wd.stop()
 	pc, dc := send(pctx, p), send(ctx, d)
 	// Drain the prefill answer; if it fails before decode answers, report it.
 	prefillFailed := make(chan *failure, 1)
@@ -549,51 +640,63 @@ func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d 
 		}
 		prefillFailed <- upstreamFailure(p, res.resp)
 	}()
+	fail := func(f *failure) (*upstream, *failure) {
+		finish(false)
+		return nil, f
+	}
 	var dres result
 	select {
 	case dres = <-dc:
 	case f := <-prefillFailed:
 		cancel()
 		lg.Warn("prefill failed; decode request canceled", zap.Int("code", f.code), zap.String("error", f.msg))
-		return 0, f
+		return fail(f)
 	}
 	if dres.err != nil {
 		switch {
 		case wd.fired.Load():
 			l.m.idle.WithLabelValues("before_response").Inc()
 			lg.Warn("decode answered nothing in time; canceled", zap.String("bound", wd.what()))
-			return 0, &failure{code: http.StatusGatewayTimeout, role: "decode", cause: "idle",
-				msg: fmt.Sprintf("decode server %s answered nothing: %s", d, wd.what())}
-		case r.Context().Err() != nil:
-			return statusClientClosed, nil
+			return fail(&failure{code: http.StatusGatewayTimeout, role: "decode", cause: "idle",
+				msg: fmt.Sprintf("decode server %s answered nothing: %s", d, wd.what())})
+		case ctx.Err() != nil:
+			return fail(errGone)
 		}
 		select {
 		case f := <-prefillFailed:
-			return 0, f
+			return fail(f)
 		default:
 		}
 		lg.Warn("decode request failed", zap.Error(dres.err))
-		return 0, connFailure(d, dres.err)
+		return fail(connFailure(d, dres.err))
 	}
-	defer dres.resp.Body.Close()
-	if dres.resp.StatusCode >= 400 {
-		f := upstreamFailure(d, dres.resp)
-		lg.Warn("decode failed", zap.Int("code", dres.resp.StatusCode), zap.String("error", f.msg))
-		return 0, f
+	resp = dres.resp
+	if resp.StatusCode >= 400 {
+		f := upstreamFailure(d, resp)
+		lg.Warn("decode failed", zap.Int("code", resp.StatusCode), zap.String("error", f.msg))
+		return fail(f)
 	}
-	copyHeader(w.Header(), dres.resp.Header)
-	w.WriteHeader(dres.resp.StatusCode)
+	return &upstream{resp: resp, d: d, wd: wd, lg: lg, finish: finish,
+		stream: strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")}, nil
+}
+
+// relay copies the decode's answer to the client as it comes.
+func (l *LB) relay(w http.ResponseWriter, r *http.Request, up *upstream) int {
+	ok := false
+	defer func() { up.done(ok) }()
+	resp, wd := up.resp, up.wd
+	copyHeader(w.Header(), resp.Header)
+	w.WriteHeader(resp.StatusCode)
 	fl, _ := w.(http.Flusher)
-	stream := strings.HasPrefix(dres.resp.Header.Get("Content-Type"), "text/event-stream")
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)
 	buf := *bp
 	for {
-		n, err := dres.resp.Body.Read(buf)
+		n, err := resp.Body.Read(buf)
 		if n > 0 {
 			wd.kick()
 			if _, werr := w.Write(buf[:n]); werr != nil {
-				return dres.resp.StatusCode, nil // client went away; ctx cancels both sides
+				return resp.StatusCode // client went away; ctx cancels both sides
 			}
 			if fl != nil {
 				fl.Flush()
@@ -602,32 +705,36 @@ func (l *LB) attempt(w http.ResponseWriter, r *http.Request, req *request, p, d 
 		if err == nil {
 			continue
 		}
-		var cause string
-		code := http.StatusBadGateway
-		switch {
-		case err == io.EOF:
-			succeeded = true
-			return dres.resp.StatusCode, nil
-		case wd.fired.Load():
-			l.m.idle.WithLabelValues("mid_response").Inc()
-			code, cause = http.StatusGatewayTimeout, fmt.Sprintf("decode server %s stalled mid-stream: %s", d, wd.what())
-			lg.Warn("decode stalled mid-stream; ended", zap.String("bound", wd.what()))
-		case r.Context().Err() != nil:
-			return statusClientClosed, nil
-		default:
-			cause = fmt.Sprintf("decode server %s failed mid-stream: %v", d, err)
-			lg.Warn("decode response broke off", zap.Error(err))
+		if err == io.EOF {
+			ok = true
+			return resp.StatusCode
 		}
+		if r.Context().Err() != nil && !wd.fired.Load() {
+			return statusClientClosed
+		}
+		code, cause := l.broken(up, err)
 		// A stream ends with an error event and no [DONE], as the HTTP
 		// contract says.
-		if stream {
-			fmt.Fprintf(w, "data: %s\n\n", errorBody(code, cause))
+		if up.stream {
+			fmt.Fprintf(w, "data: %s\n\n", errorBody(code, cause, ""))
 			if fl != nil {
 				fl.Flush()
 			}
 		}
-		return code, nil
+		return code
 	}
+}
+
+// broken names an answer that broke off with err: the status and message
+// for the client.
+func (l *LB) broken(up *upstream, err error) (int, string) {
+	if up.wd.fired.Load() {
+		l.m.idle.WithLabelValues("mid_response").Inc()
+		up.lg.Warn("decode stalled mid-answer; ended", zap.String("bound", up.wd.what()))
+		return http.StatusGatewayTimeout, fmt.Sprintf("decode server %s stalled mid-stream: %s", up.d, up.wd.what())
+	}
+	up.lg.Warn("decode response broke off", zap.Error(err))
+	return http.StatusBadGateway, fmt.Sprintf("decode server %s failed mid-stream: %v", up.d, err)
 }
 
 // watchdog cancels an upstream request that shows no sign of life for the
@@ -711,21 +818,34 @@ func copyHeader(dst, src http.Header) {
 	}
 }
 
-func errorBody(code int, msg string) []byte {
-	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": errorType(code), "code": code}})
+func errorBody(code int, msg, param string) []byte {
+	var p any
+	if param != "" {
+		p = param
+	}
+	b, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": errorType(code), "param": p, "code": code}})
 	return b
 }
 
+// errorType is the OpenAI "type" of an error with this status, as the
+// servers name them.
 func errorType(code int) string {
-	if code >= 500 {
-		return "server_error"
+	switch {
+	case code == http.StatusUnauthorized:
+		return "authentication_error"
+	case code == http.StatusNotFound:
+		return "not_found_error"
+	case code == http.StatusServiceUnavailable:
+		return "service_unavailable_error"
+	case code >= 500:
+		return "internal_server_error"
 	}
 	return "invalid_request_error"
 }
 
 func writeRaw(w http.ResponseWriter, code int, b []byte) int {
 	if !json.Valid(b) {
-		b = errorBody(code, string(b))
+		b = errorBody(code, string(b), "")
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
@@ -741,5 +861,15 @@ func writeJSON(w http.ResponseWriter, code int, v any) int {
 }
 
 func writeError(w http.ResponseWriter, code int, msg string) int {
-	return writeJSON(w, code, map[string]any{"error": map[string]any{"message": msg, "type": errorType(code), "code": code}})
+	return writeErrorParam(w, code, msg, "")
+}
+
+func writeErrorParam(w http.ResponseWriter, code int, msg, param string) int {
+	if code == http.StatusServiceUnavailable {
+		w.Header().Set("Retry-After", "1")
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	w.Write(append(errorBody(code, msg, param), '\n'))
+	return code
 }

@@ -23,15 +23,20 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 type fakeServer struct {
 	*httptest.Server
 	mode    string
+	modeNow atomic.Pointer[string] // setMode's, if set
 	down    atomic.Bool
 	fail    atomic.Bool // answer /generate with 400
 	mu      sync.Mutex
 	bodies  []map[string]any
 	headers []http.Header
 	release chan struct{} // decode waits for it before answering, if set
-	// gen, if set, answers /generate after the body was recorded.
-	gen  func(w http.ResponseWriter, r *http.Request)
-	load atomic.Pointer[map[string]any] // added to /get_server_info
+	// gen, if set, answers /generate after the body was recorded; answer,
+	// if set, too, with the body.
+	gen    func(w http.ResponseWriter, r *http.Request)
+	answer func(w http.ResponseWriter, r *http.Request, body map[string]any)
+	// healthGen, if set, is the status of /health_generate.
+	healthGen atomic.Int32
+	load      atomic.Pointer[map[string]any] // added to /get_server_info
 	// flushes counts POST /flush_cache; flushStatus, if set, is its answer.
 	flushes, flushStatus atomic.Int32
 }
@@ -45,8 +50,17 @@ func newFake(t *testing.T, mode string) *fakeServer {
 		}
 		switch r.URL.Path {
 		case "/health":
+		case "/health_generate":
+			if c := f.healthGen.Load(); c != 0 {
+				w.WriteHeader(int(c))
+				w.Write([]byte(`{"error":{"message":"health check generation failed: engine stopped","code":503}}`))
+			}
 		case "/get_server_info":
-			info := map[string]any{"disaggregation_mode": f.mode, "bootstrap_port": 9123}
+			mode := f.mode
+			if m := f.modeNow.Load(); m != nil {
+				mode = *m
+			}
+			info := map[string]any{"disaggregation_mode": mode, "bootstrap_port": 9123}
 			if l := f.load.Load(); l != nil {
 				maps.Copy(info, *l)
 			}
@@ -66,6 +80,10 @@ func newFake(t *testing.T, mode string) *fakeServer {
 			f.bodies = append(f.bodies, m)
 			f.headers = append(f.headers, r.Header.Clone())
 			f.mu.Unlock()
+			if f.answer != nil {
+				f.answer(w, r, m)
+				return
+			}
 			if f.gen != nil {
 				f.gen(w, r)
 				return
@@ -92,6 +110,9 @@ func newFake(t *testing.T, mode string) *fakeServer {
 	return f
 }
 
+// setMode changes the mode /get_server_info reports.
+func (f *fakeServer) setMode(m string) { f.modeNow.Store(&m) }
+
 func (f *fakeServer) count() int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -108,6 +129,12 @@ func (f *fakeServer) last() map[string]any {
 }
 
 func startLB(t *testing.T, cfg Config) (*LB, *httptest.Server, *prometheus.Registry) {
+	return startLBWith(t, cfg, nil)
+}
+
+// startLBWith is startLB that waits for the servers in usable only (nil:
+// all).
+func startLBWith(t *testing.T, cfg Config, usable []*fakeServer) (*LB, *httptest.Server, *prometheus.Registry) {
 	reg := prometheus.NewRegistry()
 	cfg.Registerer, cfg.Gatherer = reg, reg
 	if cfg.HealthInterval == 0 {
@@ -124,7 +151,11 @@ func startLB(t *testing.T, cfg Config) (*LB, *httptest.Server, *prometheus.Regis
 	// A check may time out on a loaded machine (-race): wait for them all.
 	waitFor(t, 5*time.Second, func() bool {
 		for _, b := range append(append([]*backend{}, l.prefill...), l.decode...) {
-			if !b.usable() {
+			want := usable == nil
+			for _, f := range usable {
+				want = want || f.URL == b.String()
+			}
+			if want && !b.usable() {
 				return false
 			}
 		}

@@ -187,7 +187,7 @@ func TestPrefersRoom(t *testing.T) {
 // TestRoomBackWhenARequestEnds: a server full at its check has room again
 // once one of the LB's requests on it ends, before the next check.
 func TestRoomBackWhenARequestEnds(t *testing.T) {
-	b, err := newBackend("decode", 0, "http://127.0.0.1:1")
+	b, err := newBackend("decode", 0, "http://127.0.0.1:1", 0)
 	if err != nil {
 		t.Fatal(err)
 	}
