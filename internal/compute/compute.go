@@ -5,6 +5,7 @@ package compute
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
@@ -99,3 +100,14 @@ type Sampled struct {
 	Logprob float32               // when Sample.Logprob, else 0
 	Top     []sampling.TopLogprob // when Sample.TopLogprobs > 0, else nil; a new slice
 }
+
+// RankError is a failed forward pass of a tensor-parallel model: the rank
+// whose failure ended it (the others stopped waiting for it) and why.
+type RankError struct {
+	Rank int
+	Err  error
+}
+
+func (e *RankError) Error() string { return fmt.Sprintf("tp rank %d: %v", e.Rank, e.Err) }
+
+func (e *RankError) Unwrap() error { return e.Err }

@@ -135,7 +135,7 @@ func newPD(t *testing.T, o pdOpts) *pd {
 func (s *side) fill(i int, page int32) {
 	for l := 0; l < s.pool.Layout.Layers; l++ {
 		for k := kvcache.K; k <= kvcache.V; k++ {
-			b := s.pool.Page(l, k, int(page))
+			b := pageOf(s.pool, l, k, int(page))
 			for j := range b {
 				b[j] = byte(i*131 + l*17 + int(k)*7 + j)
 			}
@@ -351,7 +351,7 @@ func TestRoomSuccess(t *testing.T) {
 			for _, p := range held {
 				for l := 0; l < testLayout.Layers; l++ {
 					for k := kvcache.K; k <= kvcache.V; k++ {
-						if b := x.dec.pool.Page(l, k, int(p)); !bytes.Equal(b, make([]byte, len(b))) {
+						if b := pageOf(x.dec.pool, l, k, int(p)); !bytes.Equal(b, make([]byte, len(b))) {
 							t.Fatalf("decode page %d (not the room's) layer %d kind %d was written", p, l, k)
 						}
 					}
@@ -360,8 +360,8 @@ func TestRoomSuccess(t *testing.T) {
 			for i := range f.pages {
 				for l := 0; l < testLayout.Layers; l++ {
 					for k := kvcache.K; k <= kvcache.V; k++ {
-						want := x.pre.pool.Page(l, k, int(f.pages[i]))
-						got := x.dec.pool.Page(l, k, int(pl.Table.IDs()[i]))
+						want := pageOf(x.pre.pool, l, k, int(f.pages[i]))
+						got := pageOf(x.dec.pool, l, k, int(pl.Table.IDs()[i]))
 						if !bytes.Equal(want, got) {
 							t.Fatalf("prompt page %d (decode page %d) layer %d kind %d differs from the prefill's", i, pl.Table.IDs()[i], l, k)
 						}
@@ -396,7 +396,7 @@ func (g gate) Wait() error { <-g; return nil }
 func (s *side) layerWritten(l int) bool {
 	for p := 0; p < s.pool.Layout.Pages; p++ {
 		for k := kvcache.K; k <= kvcache.V; k++ {
-			if b := s.pool.Page(l, k, p); !bytes.Equal(b, make([]byte, len(b))) {
+			if b := pageOf(s.pool, l, k, p); !bytes.Equal(b, make([]byte, len(b))) {
 				return true
 			}
 		}
@@ -455,7 +455,7 @@ func TestPushByLayer(t *testing.T) {
 	for i := range f.pages {
 		for l := 0; l < testLayout.Layers; l++ {
 			for k := kvcache.K; k <= kvcache.V; k++ {
-				if !bytes.Equal(x.pre.pool.Page(l, k, int(f.pages[i])), x.dec.pool.Page(l, k, int(pl.Table.IDs()[i]))) {
+				if !bytes.Equal(pageOf(x.pre.pool, l, k, int(f.pages[i])), pageOf(x.dec.pool, l, k, int(pl.Table.IDs()[i]))) {
 					t.Fatalf("prompt page %d layer %d kind %d differs", i, l, k)
 				}
 			}
@@ -534,7 +534,7 @@ func TestManyRooms(t *testing.T) {
 				errs <- fmt.Errorf("room %d: first token %d, want %d", room, dreq.Preloaded.FirstToken, i)
 			}
 			for j := range f.pages {
-				if !bytes.Equal(x.pre.pool.Page(1, kvcache.V, int(f.pages[j])), x.dec.pool.Page(1, kvcache.V, int(dreq.Preloaded.Table.IDs()[j]))) {
+				if !bytes.Equal(pageOf(x.pre.pool, 1, kvcache.V, int(f.pages[j])), pageOf(x.dec.pool, 1, kvcache.V, int(dreq.Preloaded.Table.IDs()[j]))) {
 					errs <- fmt.Errorf("room %d: page %d differs", room, j)
 				}
 			}
@@ -981,12 +981,12 @@ func TestDecodeCanceled(t *testing.T) {
 		t.Fatalf("decode free pages %d, want %d", x.dec.pages.Free(), testLayout.Pages)
 	}
 	// The room is failed: later chunks push nothing into the freed pages.
-	before := x.dec.pool.Page(0, kvcache.K, 3)
+	before := pageOf(x.dec.pool, 0, kvcache.K, 3)
 	snap := append([]byte(nil), before...)
 	f.chunk(preq.Prefill, 8, 30)
 	f.done(preq.Prefill, 1, 0, nil)
 	f.waitReleased(t, 2*time.Second)
-	if !bytes.Equal(snap, x.dec.pool.Page(0, kvcache.K, 3)) {
+	if !bytes.Equal(snap, pageOf(x.dec.pool, 0, kvcache.K, 3)) {
 		t.Fatal("the prefill wrote into decode's pages after the room was canceled")
 	}
 	waitFor(t, "room gone", time.Second, func() bool { return x.p.Rooms() == 0 })
@@ -1067,3 +1067,6 @@ func TestCancelBeforeRegistration(t *testing.T) {
 		t.Fatalf("decode free pages %d (want %d), prefill rooms %d", x.dec.pages.Free(), testLayout.Pages, x.p.Rooms())
 	}
 }
+
+// pageOf is the K or V block of page pg of layer l of a token-major pool.
+func pageOf(p *kvcache.Pool, l int, k kvcache.Kind, pg int) []byte { return p.LayerPage(l, pg)[k] }

@@ -677,10 +677,11 @@ func (r *proom) push() error {
 				return fmt.Errorf("waiting for layer %d's KV: %w", sp.layer, err)
 			}
 		}
-		pairs, err := lay.LayerPairs(sp.layer, pages[sp.from:sp.upto], dst.Decode.Layout, dst.Pages[sp.from:sp.upto])
+		plan, err := kvcache.NewPlan([]kvcache.Shard{{Layout: lay}}, []kvcache.Shard{{Layout: dst.Decode.Layout}})
 		if err != nil {
 			return err
 		}
+		pairs := plan.Moves[0].Pairs(nil, sp.layer, lay, pages[sp.from:sp.upto], dst.Decode.Layout, dst.Pages[sp.from:sp.upto])
 		for _, pr := range pairs {
 			n += pr.Len
 			if pr.Len == pb {

@@ -211,12 +211,12 @@ func TestDecodeHoldsPrefix(t *testing.T) {
 	for i := range 6 {
 		for l := 0; l < testLayout.Layers; l++ {
 			for k := kvcache.K; k <= kvcache.V; k++ {
-				want := x.pre.pool.Page(l, k, int(f.pages[i]))
+				want := pageOf(x.pre.pool, l, k, int(f.pages[i]))
 				if i < 3 { // held: the earlier request's bytes stay
 					probe := newSidePage(x.dec, 100+i)
 					want = probe(l, k)
 				}
-				if !bytes.Equal(x.dec.pool.Page(l, k, int(got[i])), want) {
+				if !bytes.Equal(pageOf(x.dec.pool, l, k, int(got[i])), want) {
 					t.Fatalf("page %d layer %d kind %d: wrong bytes (held pages must be left alone, the rest pushed)", i, l, k)
 				}
 			}

@@ -42,43 +42,6 @@ func TestAllocator(t *testing.T) {
 	}
 }
 
-func TestPairsMergeRuns(t *testing.T) {
-	l := Layout{Layers: 2, PageSize: 4, KVHeads: 2, HeadDim: 8, ElemBytes: 4, Pages: 16}
-	d := l
-	d.Pages = 32
-	var pairs []Pair
-	for layer := range l.Layers {
-		p, err := l.LayerPairs(layer, []int32{1, 2, 3, 7}, d, []int32{10, 11, 20, 21})
-		if err != nil {
-			t.Fatal(err)
-		}
-		pairs = append(pairs, p...)
-	}
-	// per layer and kind: [1,2]->[10,11], [3]->[20], [7]->[21]
-	if len(pairs) != 2*2*3 {
-		t.Fatalf("got %d pairs: %+v", len(pairs), pairs)
-	}
-	pb := int64(l.PageBytes())
-	if pairs[0] != (Pair{Src: l.Offset(0, K, 1), Dst: d.Offset(0, K, 10), Len: 2 * pb}) {
-		t.Fatalf("first pair %+v", pairs[0])
-	}
-	var total int64
-	for _, p := range pairs {
-		total += p.Len
-	}
-	if total != 2*2*4*pb {
-		t.Fatalf("moved %d bytes, want %d", total, 2*2*4*pb)
-	}
-	bad := d
-	bad.HeadDim = 16
-	if _, err := l.LayerPairs(0, []int32{1}, bad, []int32{1}); err == nil {
-		t.Fatal("mismatched layouts accepted")
-	}
-	if _, err := l.LayerPairs(2, []int32{1}, d, []int32{1}); err == nil {
-		t.Fatal("layer 2 of 2 accepted")
-	}
-}
-
 func TestTable(t *testing.T) {
 	a := NewAllocator(8)
 	tb, err := a.Take(3)

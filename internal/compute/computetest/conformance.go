@@ -15,9 +15,9 @@ import (
 // Backend is a backend under test, with a way to read its KV pool.
 type Backend struct {
 	compute.Model
-	// KV returns page p of layer l's K or V buffer as float32 values
-	// (widened from the pool's element type), in the pool's layout:
-	// PageSize tokens of KVHeads x HeadDim.
+	// KV returns the K or V of page p of layer l as float32 values
+	// (widened from the pool's element type), token by token: PageSize
+	// tokens of KVHeads x HeadDim (the model's KV heads).
 	KV func(l int, kind kvcache.Kind, p int) []float32
 }
 
@@ -63,8 +63,9 @@ const naiveTol = 1e-5
 //     the dtype's tolerance;
 //   - that a sequence's logits do not depend on how its prompt is chunked
 //     or on the other sequences of its batches (bit for bit);
-//   - the KV layout: Layout() is the Spec's (Config.KVLayout) and each
-//     position's K and V sit at its page table's page and slot.
+//   - the KV layout: Layout() is the Spec's (Config.KVLayout, in the
+//     backend's page order) and each position's K and V sit at its page
+//     table's page and slot.
 func Run(t *testing.T, newBackend NewFunc, opts ...Option) {
 	o := options{tol: map[model.DType]float64{}, dtypes: []model.DType{model.F32, model.BF16, model.F16}}
 	for _, f := range opts {
@@ -135,7 +136,9 @@ func runShape(t *testing.T, name string, dt model.DType, newBackend NewFunc, o *
 
 	ref := o.ref(t, wide, pageSize, pages)
 	be := newBackend(t, m, pageSize, pages)
-	if got, want := be.Layout(), c.KVLayout(pageSize, pages, be.Layout().ElemBytes); got != want {
+	want := c.KVLayout(pageSize, pages, be.Layout().ElemBytes)
+	want.Order = be.Layout().Order
+	if got := be.Layout(); got != want {
 		t.Fatalf("layout %+v, want the Spec's %+v", got, want)
 	}
 

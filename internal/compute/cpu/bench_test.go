@@ -142,3 +142,43 @@ func BenchmarkDecode(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkTP measures the step time of the stories110m shape (float32) on
+// 1, 2 and 4 tensor-parallel ranks sharing two threads: a decode step at
+// batch 1 and 16 (context cycling over 128 positions) and a 128-token
+// prefill.
+func BenchmarkTP(b *testing.B) {
+	dir := b.TempDir()
+	if err := model.WriteRandom("stories110m", dir, 1, "float32"); err != nil {
+		b.Fatal(err)
+	}
+	m, err := model.Load(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	for _, tp := range []int{1, 2, 4} {
+		for _, batch := range []int{1, 16} {
+			b.Run(fmt.Sprintf("tp=%d/decode/batch=%d", tp, batch), func(b *testing.B) {
+				be := newTPBackend(b, m, 64, 2*batch, tp, 2, Options{})
+				decodeLoop(b, be, batch, 128)
+				b.ReportMetric(b.Elapsed().Seconds()/float64(b.N)*1e3, "ms/step")
+			})
+		}
+		b.Run(fmt.Sprintf("tp=%d/prefill=128", tp), func(b *testing.B) {
+			be := newTPBackend(b, m, 64, 2, tp, 2, Options{})
+			prompt := make([]int32, 128)
+			for i := range prompt {
+				prompt[i] = int32(1 + i*37%31999)
+			}
+			seqs := []compute.Seq{{Tokens: prompt, Pages: pagesFor(0, 2), Logits: true}}
+			out := [][]float32{make([]float32, m.Config.Vocab)}
+			for b.Loop() {
+				if err := be.Forward(context.Background(), seqs, out); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(b.Elapsed().Seconds()/float64(b.N)*1e3, "ms/step")
+		})
+	}
+}

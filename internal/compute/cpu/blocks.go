@@ -1,71 +1,16 @@
 package cpu
 
 import (
-	"fmt"
+	"context"
 	"math"
-
-	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
-// block is one step of a layer over tokens [t0, t1) of the pass: split
-// across tm, or all on thread k when tm is nil. Every block reads the
-// residual stream s.x and adds its output to it.
+// block is one step of a layer over tokens [t0, t1) of the pass on rank r:
+// split across tm, or all on thread k when tm is nil. Every block reads the
+// residual stream s.x and adds its output to it; with tp > 1 the output is
+// the rank's partial sum, all-reduced before the add.
 type block interface {
-	run(b *Backend, li, t0, t1, k int, tm *team)
-}
-
-// build composes every layer from the Spec's blocks and binds the weights.
-func (b *Backend) build() error {
-	c := &b.cfg
-	m := b.m
-	var err error
-	mat := func(t *model.Tensor) wmat {
-		if err != nil {
-			return wmat{}
-		}
-		var w wmat
-		w, err = newWmat(t)
-		return w
-	}
-	b.embed = mat(m.Embed)
-	b.lmHead = mat(m.LMHead)
-	b.norm = vec(m.Norm)
-	spec := c.Spec
-	b.layers = make([][]block, c.Layers)
-	for i := range m.Layers {
-		l := &m.Layers[i]
-		a := &attnBlock{norm: vec(l.AttnNorm), q: mat(l.Q), k: mat(l.K), v: mat(l.V), o: mat(l.O),
-			window: c.Window(i)}
-		if spec.Attention.QKVBias {
-			a.bq, a.bk, a.bv = vec(l.QBias), vec(l.KBias), vec(l.VBias)
-		}
-		if spec.Attention.QKNorm {
-			a.qNorm, a.kNorm = vec(l.QNorm), vec(l.KNorm)
-		}
-		var mlp block
-		if c.MoELayer(i) {
-			e := &moeBlock{norm: vec(l.MLPNorm), router: mat(l.Router), experts: make([]swiglu, len(l.Experts))}
-			for j, x := range l.Experts {
-				e.experts[j] = swiglu{gate: mat(x.Gate), up: mat(x.Up), down: mat(x.Down)}
-			}
-			if spec.MLP.SharedExpert {
-				e.shared = &swiglu{gate: mat(l.Shared.Gate), up: mat(l.Shared.Up), down: mat(l.Shared.Down)}
-				e.sharedGate = mat(l.SharedGate)
-			}
-			mlp = e
-		} else {
-			mlp = &denseBlock{norm: vec(l.MLPNorm), ffn: swiglu{gate: mat(l.Gate), up: mat(l.Up), down: mat(l.Down)}}
-		}
-		b.layers[i] = []block{a, mlp}
-	}
-	if err != nil {
-		return err
-	}
-	if b.embed.rows != c.Vocab || b.embed.in != c.Dim || b.lmHead.rows != c.Vocab {
-		return fmt.Errorf("cpu: embedding %dx%d, classifier %d rows for vocab %d dim %d", b.embed.rows, b.embed.in,
-			b.lmHead.rows, c.Vocab, c.Dim)
-	}
-	return nil
+	run(ctx context.Context, r *rank, li, t0, t1, k int, tm *team) error
 }
 
 // normRows writes rmsnorm(x[t]) * w into o[t] for n rows of len(w).
@@ -106,10 +51,10 @@ type attnBlock struct {
 	window       int
 }
 
-func (a *attnBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
-	c := &b.cfg
-	l := &b.pool.Layout
-	s := &b.s
+func (a *attnBlock) run(ctx context.Context, r *rank, li, t0, t1, k int, tm *team) error {
+	c := &r.cfg
+	l := &r.pool.Layout
+	s := &r.s
 	n := t1 - t0
 	dim, qd, kvd, hd := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HeadDim
 	x := s.x[t0*dim : t1*dim]
@@ -122,11 +67,12 @@ func (a *attnBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 	mm.add(&a.q, s.q[t0*qd:t1*qd], a.bq)
 	mm.add(&a.k, s.k[t0*kvd:t1*kvd], a.bk)
 	mm.add(&a.v, s.v[t0*kvd:t1*kvd], a.bv)
-	b.matmul(mm, tm)
-	pageElems := l.PageSize * kvd
-	layerElems := l.Pages * pageElems
-	kBase := (2 * li) * layerElems
-	vBase := kBase + layerElems
+	r.matmul(mm, tm)
+	// Head-major pages: a layer's page holds, head by head, the head's K
+	// then its V, PageSize slots of HeadDim each.
+	pageElems := 2 * l.PageSize * kvd
+	base := li * l.Pages * pageElems
+	blk := l.PageSize * hd // one head's K (or V) in a page
 	for t := t0; t < t1; t++ {
 		qt := s.q[t*qd : (t+1)*qd]
 		kt := s.k[t*kvd : (t+1)*kvd]
@@ -138,12 +84,16 @@ func (a *attnBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 				rmsnorm(kt[h*hd:(h+1)*hd], kt[h*hd:(h+1)*hd], a.kNorm, c.NormEps)
 			}
 		}
-		b.rope.apply(qt, c.Heads, s.pos[t])
-		b.rope.apply(kt, c.KVHeads, s.pos[t])
-		copy(b.kv[kBase+s.slot[t]:kBase+s.slot[t]+kvd], kt)
-		copy(b.kv[vBase+s.slot[t]:vBase+s.slot[t]+kvd], s.v[t*kvd:(t+1)*kvd])
+		r.rope.apply(qt, c.Heads, s.pos[t])
+		r.rope.apply(kt, c.KVHeads, s.pos[t])
+		vt := s.v[t*kvd : (t+1)*kvd]
+		for h := 0; h < c.KVHeads; h++ {
+			off := base + s.slot[t] + 2*h*blk
+			copy(r.kv[off:off+hd], kt[h*hd:(h+1)*hd])
+			copy(r.kv[off+blk:off+blk+hd], vt[h*hd:(h+1)*hd])
+		}
 	}
-	at := attnJob{t0: t0, n: n, kBase: kBase, vBase: vBase, pageElems: pageElems, window: a.window, parts: 1}
+	at := attnJob{t0: t0, n: n, base: base, pageElems: pageElems, blk: blk, window: a.window, parts: 1}
 	if tm != nil {
 		work := 0
 		for t := t0; t < t1; t++ {
@@ -153,22 +103,27 @@ func (a *attnBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 		s.at = at
 		tm.run(s.at.parts, s.atFn)
 	} else {
-		b.attend(&at, k, 0, n*c.KVHeads)
+		r.attend(&at, k, 0, n*c.KVHeads)
 	}
 	mm.reset()
 	mm.set(s.att[t0*qd:t1*qd], n)
 	mm.add(&a.o, xb2, nil)
-	b.matmul(mm, tm)
+	r.matmul(mm, tm)
+	if err := r.allReduce(ctx, xb2); err != nil {
+		return err
+	}
 	addTo(x, xb2)
+	return nil
 }
 
 // attnJob is one layer's attention over tokens [t0, t0+n) of a pass.
 type attnJob struct {
-	t0, n        int
-	kBase, vBase int
-	pageElems    int
-	window       int
-	parts        int
+	t0, n     int
+	base      int // the layer's first element
+	pageElems int // a layer's page
+	blk       int // one head's K (or V) in a page
+	window    int
+	parts     int
 }
 
 // first is the number of positions a token at pos attends to, less one.
@@ -180,21 +135,21 @@ func (a *attnJob) first(pos int) int {
 }
 
 // attentionPart computes thread k's share of (token, kv head) pairs.
-func (b *Backend) attentionPart(k int) {
-	a := &b.s.at
-	lo, hi := span(k, a.parts, a.n*b.cfg.KVHeads)
-	b.attend(a, k, lo, hi)
+func (r *rank) attentionPart(k int) {
+	a := &r.s.at
+	lo, hi := span(k, a.parts, a.n*r.cfg.KVHeads)
+	r.attend(a, k, lo, hi)
 }
 
 // attend computes tasks [lo, hi) of a on thread k: for each query head of
 // the group, scores over the token's positions in order (the last Window
 // ones with a sliding window), a softmax, and the weighted sum of values in
 // position order.
-func (b *Backend) attend(a *attnJob, k, lo, hi int) {
-	c := &b.cfg
-	s := &b.s
-	hd, kvd, qd := c.HeadDim, c.KVHeads*c.HeadDim, c.Heads*c.HeadDim
-	ps := b.pool.PageSize
+func (r *rank) attend(a *attnJob, k, lo, hi int) {
+	c := &r.cfg
+	s := &r.s
+	hd, qd := c.HeadDim, c.Heads*c.HeadDim
+	ps := r.pool.PageSize
 	group := c.Heads / c.KVHeads
 	scale := float32(math.Sqrt(float64(hd)))
 	sc := s.scores[k]
@@ -212,8 +167,8 @@ func (b *Backend) attend(a *attnJob, k, lo, hi int) {
 			q := s.q[t*qd+h*hd : t*qd+(h+1)*hd]
 			for p, pi, in := start, pi0, in0; p < end; pi, in = pi+1, 0 {
 				cnt := min(ps-in, end-p)
-				off := a.kBase + int(pages[pi])*a.pageElems + in*kvd + g*hd
-				attnScores(q, b.kv[off:], kvd, cnt, hd, sc[p-start:])
+				off := a.base + int(pages[pi])*a.pageElems + 2*g*a.blk + in*hd
+				attnScores(q, r.kv[off:], hd, cnt, hd, sc[p-start:])
 				p += cnt
 			}
 			softmax(sc, end-start, scale)
@@ -221,8 +176,8 @@ func (b *Backend) attend(a *attnJob, k, lo, hi int) {
 			clear(o)
 			for p, pi, in := start, pi0, in0; p < end; pi, in = pi+1, 0 {
 				cnt := min(ps-in, end-p)
-				off := a.vBase + int(pages[pi])*a.pageElems + in*kvd + g*hd
-				attnAccum(sc[p-start:], b.kv[off:], kvd, cnt, hd, o)
+				off := a.base + int(pages[pi])*a.pageElems + (2*g+1)*a.blk + in*hd
+				attnAccum(sc[p-start:], r.kv[off:], hd, cnt, hd, o)
 				p += cnt
 			}
 		}
@@ -249,9 +204,9 @@ type denseBlock struct {
 	ffn  swiglu
 }
 
-func (d *denseBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
-	c := &b.cfg
-	s := &b.s
+func (d *denseBlock) run(ctx context.Context, r *rank, li, t0, t1, k int, tm *team) error {
+	c := &r.cfg
+	s := &r.s
 	n := t1 - t0
 	dim, hd := c.Dim, d.ffn.gate.rows
 	x := s.x[t0*dim : t1*dim]
@@ -265,13 +220,17 @@ func (d *denseBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 	mm.set(xb, n)
 	mm.add(&d.ffn.gate, hb, nil)
 	mm.add(&d.ffn.up, hb2, nil)
-	b.matmul(mm, tm)
+	r.matmul(mm, tm)
 	siluRows(hb, hb2, n)
 	mm.reset()
 	mm.set(hb, n)
 	mm.add(&d.ffn.down, xb2, nil)
-	b.matmul(mm, tm)
+	r.matmul(mm, tm)
+	if err := r.allReduce(ctx, xb2); err != nil {
+		return err
+	}
 	addTo(x, xb2)
+	return nil
 }
 
 // moeBlock is the mixture-of-experts block: RMSNorm, the router (softmax
@@ -287,9 +246,9 @@ type moeBlock struct {
 	sharedGate wmat
 }
 
-func (e *moeBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
-	c := &b.cfg
-	s := &b.s
+func (e *moeBlock) run(ctx context.Context, r *rank, li, t0, t1, k int, tm *team) error {
+	c := &r.cfg
+	s := &r.s
 	n := t1 - t0
 	dim, E, K, I := c.Dim, c.Experts, c.TopK, c.ExpertDim
 	x := s.x[t0*dim : t1*dim]
@@ -309,7 +268,7 @@ func (e *moeBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 		mm.add(&sh.up, s.hb2[t0*sd:t1*sd], nil)
 		mm.add(&e.sharedGate, s.sgate[t0:t1], nil)
 	}
-	b.matmul(mm, tm)
+	r.matmul(mm, tm)
 
 	// Route, then sort the (token, rank) pairs by expert, in token order
 	// within an expert: pair (t, j) goes to row rowOf[t*K+j] of the
@@ -353,7 +312,7 @@ func (e *moeBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 			mm.add(&e.experts[j].up, hu[r*I:(r+cnt)*I], nil)
 		}
 	}
-	b.matmul(mm, tm)
+	r.matmul(mm, tm)
 	siluRows(he, hu, n*K)
 	mm.reset()
 	for j := range e.experts {
@@ -369,7 +328,7 @@ func (e *moeBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 		mm.set(s.hb[t0*sd:t1*sd], n)
 		mm.add(&sh.down, s.sh[t0*dim:t1*dim], nil)
 	}
-	b.matmul(mm, tm)
+	r.matmul(mm, tm)
 
 	for t := 0; t < n; t++ {
 		o := out[t*dim : (t+1)*dim]
@@ -383,7 +342,13 @@ func (e *moeBlock) run(b *Backend, li, t0, t1, k int, tm *team) {
 			axpy(o, g, s.sh[(t0+t)*dim:(t0+t+1)*dim])
 		}
 	}
+	// Every expert's down projection is split by columns: out is this
+	// rank's part of the weighted sum.
+	if err := r.allReduce(ctx, out); err != nil {
+		return err
+	}
 	addTo(x, out)
+	return nil
 }
 
 // route picks the top k of softmax(logits) (the lowest expert id on ties)

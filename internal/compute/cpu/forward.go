@@ -2,7 +2,6 @@ package cpu
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 )
@@ -23,10 +22,12 @@ type scratch struct {
 	hb2    []float32   // up, the same
 	pos    []int       // position of each token
 	seq    []int       // sequence of each token
-	slot   []int       // element offset of each token's KV entry inside a layer's K (or V) buffer
+	slot   []int       // element offset of each token's slot in a layer's buffer (its page's block + slot*HeadDim)
 	scores [][]float32 // per thread [positions]
 	lx     []float32   // normed last tokens [m][Dim]
-	logits []float32   // [m][Vocab]
+	logits []float32   // [m][the rank's vocabulary rows]
+	lsend  []float32   // tp > 1: logits padded to the shard [m][vshard]
+	lrecv  []float32   // and every rank's [tp][m][vshard]
 
 	// Mixture of experts.
 	router []float32    // router logits [tokens][Experts]
@@ -57,18 +58,18 @@ type moeScratch struct {
 	count, start, next []int // per expert
 }
 
-func (s *scratch) init(b *Backend) {
-	n := b.team.n
+func (s *scratch) init(r *rank) {
+	n := r.team.n
 	s.scores = make([][]float32, n)
 	s.jobs = make([]matJob, n)
 	s.moe = make([]moeScratch, n)
 	for k := range s.moe {
-		e := b.cfg.Experts
+		e := r.cfg.Experts
 		s.moe[k] = moeScratch{count: make([]int, e), start: make([]int, e), next: make([]int, e)}
 	}
 	s.mmFn = func(k int) { s.jobs[0].run(k) }
-	s.atFn = func(k int) { b.attentionPart(k) }
-	s.seqFn = func(k int) { b.seqPart(k) }
+	s.atFn = func(k int) { r.attentionPart(k) }
+	s.seqFn = func(k int) { r.seqPart(k) }
 }
 
 // job is thread k's matmul job.
@@ -81,9 +82,9 @@ func grow(buf []float32, n int) []float32 {
 	return buf[:n]
 }
 
-func (b *Backend) growScratch(n, maxPos, m int) {
-	c := &b.cfg
-	s := &b.s
+func (r *rank) growScratch(n, maxPos, m int) {
+	c := &r.cfg
+	s := &r.s
 	if n > s.tokens {
 		t := max(n, 2*s.tokens)
 		s.tokens = t
@@ -122,92 +123,73 @@ func (b *Backend) growScratch(n, maxPos, m int) {
 		}
 	}
 	s.lx = grow(s.lx, m*c.Dim)
-	s.logits = grow(s.logits, m*c.Vocab)
+	s.logits = grow(s.logits, m*r.lmHead.rows)
+	if r.tp > 1 {
+		s.lsend = grow(s.lsend, m*r.vshard)
+		s.lrecv = grow(s.lrecv, r.tp*m*r.vshard)
+	}
 }
 
-// check validates seqs against the model and pool and returns the token
-// count, the largest end position and the number of logits rows.
-func (b *Backend) check(seqs []compute.Seq, out [][]float32) (n, maxEnd, m int, err error) {
-	c := &b.cfg
-	l := &b.pool.Layout
-	for i, s := range seqs {
-		if s.Logits && len(s.Tokens) == 0 {
-			return 0, 0, 0, fmt.Errorf("cpu: seq %d asks for logits but has no tokens", i)
-		}
-		if s.Pos < 0 {
-			return 0, 0, 0, fmt.Errorf("cpu: seq %d: negative position %d", i, s.Pos)
-		}
-		end := s.Pos + len(s.Tokens)
-		if end > c.MaxSeqLen {
-			return 0, 0, 0, fmt.Errorf("cpu: seq %d: position %d beyond the context length %d", i, end-1, c.MaxSeqLen)
-		}
-		if need := (end + l.PageSize - 1) / l.PageSize; len(s.Pages) < need {
-			return 0, 0, 0, fmt.Errorf("cpu: seq %d: %d pages for %d positions (page size %d)", i, len(s.Pages), end, l.PageSize)
-		}
-		for _, p := range s.Pages[:(end+l.PageSize-1)/l.PageSize] {
-			if p < 0 || int(p) >= l.Pages {
-				return 0, 0, 0, fmt.Errorf("cpu: seq %d: page %d outside the pool of %d", i, p, l.Pages)
-			}
-		}
-		for _, t := range s.Tokens {
-			if t < 0 || int(t) >= c.Vocab {
-				return 0, 0, 0, fmt.Errorf("cpu: seq %d: token %d outside the vocabulary of %d", i, t, c.Vocab)
-			}
-		}
-		if s.Logits {
-			if i >= len(out) || len(out[i]) < c.Vocab {
-				return 0, 0, 0, fmt.Errorf("cpu: seq %d: no room for %d logits", i, c.Vocab)
-			}
-			m++
-		}
-		n += len(s.Tokens)
-		maxEnd = max(maxEnd, end)
-	}
-	return n, maxEnd, m, nil
-}
-
-func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32) error {
-	n, maxEnd, m, err := b.check(seqs, out)
-	if err != nil || n == 0 {
-		return err
-	}
-	c := &b.cfg
-	l := &b.pool.Layout
-	s := &b.s
-	b.growScratch(n, maxEnd, m)
-	b.rope.ensure(maxEnd)
+// forward runs the pass of seqs (n tokens, positions below maxEnd, m
+// logits rows) on this rank; rank 0 writes the logits into out.
+func (r *rank) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, n, maxEnd, m int) error {
+	c := &r.cfg
+	l := &r.pool.Layout
+	s := &r.s
+	r.growScratch(n, maxEnd, m)
+	r.rope.ensure(maxEnd)
 	s.seqs = seqs
 	s.out = out
-	dim, kvd := c.Dim, c.KVHeads*c.HeadDim
-	pageElems := l.PageSize * kvd
+	dim := c.Dim
+	pageElems := 2 * l.PageSize * l.KVHeads * l.HeadDim // a layer's page, K and V
 	t := 0
 	for i, sq := range seqs {
 		for j, tok := range sq.Tokens {
 			p := sq.Pos + j
 			s.pos[t], s.seq[t] = p, i
-			s.slot[t] = int(sq.Pages[p/l.PageSize])*pageElems + (p%l.PageSize)*kvd
-			b.embed.row(int(tok), s.x[t*dim:(t+1)*dim])
+			s.slot[t] = int(sq.Pages[p/l.PageSize])*pageElems + (p%l.PageSize)*l.HeadDim
+			x := s.x[t*dim : (t+1)*dim]
+			// The embedding by vocabulary rows: a rank's own, zeros for
+			// the others' (summed below).
+			if v := int(tok) - r.vlo; v >= 0 && v < r.embed.rows {
+				r.embed.row(v, x)
+			} else {
+				clear(x)
+			}
 			t++
 		}
 	}
-	// Many sequences, none too long: each thread runs whole sequences
-	// through all layers (one hand-off per pass instead of several per
-	// layer). Otherwise every step is split across the threads by rows.
-	// Either way each value is computed by the same kernels in the same
-	// order.
-	if parts := b.seqSplit(seqs, n); parts > 1 {
-		b.team.run(parts, s.seqFn)
-		return ctx.Err()
+	if err := r.allReduce(ctx, s.x[:n*dim]); err != nil {
+		return err
 	}
-	for li := range b.layers {
+	// Many sequences, none too long, one rank: each thread runs whole
+	// sequences through all layers (one hand-off per pass instead of
+	// several per layer). Otherwise every step is split across the
+	// threads by rows. Either way each value is computed by the same
+	// kernels in the same order.
+	if r.tp == 1 {
+		if parts := r.seqSplit(seqs, n); parts > 1 {
+			r.team.run(parts, s.seqFn)
+			return ctx.Err()
+		}
+	}
+	for li := range r.layers {
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		b.layer(li, 0, n, 0, b.team)
-		layerDone(seqs, li)
+		if err := r.layer(ctx, li, 0, n, 0, r.team); err != nil {
+			return err
+		}
+		if r.id == 0 {
+			// Every rank wrote layer li's KV before the layer's sums.
+			layerDone(seqs, li)
+		}
 	}
-	b.logits(0, len(seqs), 0, 0, 0, b.team)
-	return nil
+	if r.tp == 1 {
+		r.logits(0, len(seqs), 0, 0, 0, r.team)
+		return nil
+	}
+	return r.logitsTP(ctx, m)
 }
 
 // layerDone tells the seqs that asked that layer li's KV is written.
@@ -221,9 +203,9 @@ func layerDone(seqs []compute.Seq, li int) {
 
 // seqSplit plans a sequence-parallel pass: s.split[k] is thread k's first
 // sequence. It returns the number of parts (1: split by rows instead).
-func (b *Backend) seqSplit(seqs []compute.Seq, n int) int {
-	s := &b.s
-	parts := min(b.team.n, len(seqs))
+func (r *rank) seqSplit(seqs []compute.Seq, n int) int {
+	s := &r.s
+	parts := min(r.team.n, len(seqs))
 	if parts <= 1 || n < 6*parts {
 		return 1
 	}
@@ -237,51 +219,54 @@ func (b *Backend) seqSplit(seqs []compute.Seq, n int) int {
 	s.split = s.split[:0]
 	s.tok0 = s.tok0[:0]
 	s.row0 = s.row0[:0]
-	t, r, k := 0, 0, 0
+	t, row, k := 0, 0, 0
 	for i, sq := range seqs {
 		if t >= n*k/parts && len(s.split) == k {
 			s.split = append(s.split, i)
 			s.tok0 = append(s.tok0, t)
-			s.row0 = append(s.row0, r)
+			s.row0 = append(s.row0, row)
 			k++
 		}
 		t += len(sq.Tokens)
 		if sq.Logits {
-			r++
+			row++
 		}
 	}
 	for len(s.split) < parts+1 {
 		s.split = append(s.split, len(seqs))
 		s.tok0 = append(s.tok0, t)
-		s.row0 = append(s.row0, r)
+		s.row0 = append(s.row0, row)
 	}
 	return parts
 }
 
 // seqPart is thread k's share of a sequence-parallel pass.
-func (b *Backend) seqPart(k int) {
-	s := &b.s
+func (r *rank) seqPart(k int) {
+	s := &r.s
 	t0, t1 := s.tok0[k], s.tok0[k+1]
 	if t0 == t1 {
 		return
 	}
-	for li := range b.layers {
-		b.layer(li, t0, t1, k, nil)
+	for li := range r.layers {
+		_ = r.layer(context.Background(), li, t0, t1, k, nil) // tp 1: no collectives, nothing fails
 		layerDone(s.seqs[s.split[k]:s.split[k+1]], li)
 	}
-	b.logits(s.split[k], s.split[k+1], t0, s.row0[k], k, nil)
+	r.logits(s.split[k], s.split[k+1], t0, s.row0[k], k, nil)
 }
 
 // layer runs layer li's blocks for tokens [t0, t1): split across tm, or
 // all on thread k when tm is nil.
-func (b *Backend) layer(li, t0, t1, k int, tm *team) {
-	for _, blk := range b.layers[li] {
-		blk.run(b, li, t0, t1, k, tm)
+func (r *rank) layer(ctx context.Context, li, t0, t1, k int, tm *team) error {
+	for _, blk := range r.layers[li] {
+		if err := blk.run(ctx, r, li, t0, t1, k, tm); err != nil {
+			return err
+		}
 	}
+	return nil
 }
 
 // matmul runs mm across tm, or whole on the calling thread when tm is nil.
-func (b *Backend) matmul(mm *matJob, tm *team) {
+func (r *rank) matmul(mm *matJob, tm *team) {
 	if len(mm.mats) == 0 {
 		return
 	}
@@ -290,36 +275,88 @@ func (b *Backend) matmul(mm *matJob, tm *team) {
 		mm.run(0)
 		return
 	}
-	tm.run(mm.plan(tm), b.s.mmFn)
+	tm.run(mm.plan(tm), r.s.mmFn)
 }
 
-// logits computes the logits of sequences [i0, i1), whose tokens start at
-// t0, into logits rows from r0 on, and copies them out.
-func (b *Backend) logits(i0, i1, t0, r0, k int, tm *team) {
-	c := &b.cfg
-	s := &b.s
+// normLast writes the final-normed last token of every seq of [i0, i1)
+// that asks for logits, whose tokens start at t0, into s.lx rows from r0
+// on, and returns the row after the last.
+func (r *rank) normLast(i0, i1, t0, r0 int) int {
+	c := &r.cfg
+	s := &r.s
 	dim := c.Dim
-	t, r := t0, r0
+	t, row := t0, r0
 	for _, sq := range s.seqs[i0:i1] {
 		t += len(sq.Tokens)
 		if sq.Logits {
-			rmsnorm(s.lx[r*dim:(r+1)*dim], s.x[(t-1)*dim:t*dim], b.norm, c.NormEps)
-			r++
+			rmsnorm(s.lx[row*dim:(row+1)*dim], s.x[(t-1)*dim:t*dim], r.norm, c.NormEps)
+			row++
 		}
 	}
-	if r == r0 {
+	return row
+}
+
+// logits computes the logits of sequences [i0, i1), whose tokens start at
+// t0, into logits rows from r0 on, and copies them out (tp 1).
+func (r *rank) logits(i0, i1, t0, r0, k int, tm *team) {
+	c := &r.cfg
+	s := &r.s
+	dim := c.Dim
+	row := r.normLast(i0, i1, t0, r0)
+	if row == r0 {
 		return
 	}
 	mm := s.job(k)
 	mm.reset()
-	mm.set(s.lx[r0*dim:r*dim], r-r0)
-	mm.add(&b.lmHead, s.logits[r0*c.Vocab:r*c.Vocab], nil)
-	b.matmul(mm, tm)
-	r = r0
+	mm.set(s.lx[r0*dim:row*dim], row-r0)
+	mm.add(&r.lmHead, s.logits[r0*c.Vocab:row*c.Vocab], nil)
+	r.matmul(mm, tm)
+	row = r0
 	for i := i0; i < i1; i++ {
 		if s.seqs[i].Logits {
-			copy(s.out[i][:c.Vocab], s.logits[r*c.Vocab:(r+1)*c.Vocab])
-			r++
+			copy(s.out[i][:c.Vocab], s.logits[row*c.Vocab:(row+1)*c.Vocab])
+			row++
 		}
 	}
+}
+
+// logitsTP computes the rank's vocabulary rows of the m logits rows and
+// gathers every rank's; rank 0 copies them out.
+func (r *rank) logitsTP(ctx context.Context, m int) error {
+	c := &r.cfg
+	s := &r.s
+	dim, vs, rows := c.Dim, r.vshard, r.lmHead.rows
+	if m == 0 {
+		return nil
+	}
+	r.normLast(0, len(s.seqs), 0, 0)
+	mm := s.job(0)
+	mm.reset()
+	mm.set(s.lx[:m*dim], m)
+	mm.add(&r.lmHead, s.logits[:m*rows], nil)
+	r.matmul(mm, r.team)
+	send := s.lsend[:m*vs]
+	for i := range m {
+		copy(send[i*vs:i*vs+rows], s.logits[i*rows:(i+1)*rows])
+		clear(send[i*vs+rows : (i+1)*vs])
+	}
+	recv := s.lrecv[:r.tp*m*vs]
+	if err := r.allGather(ctx, send, recv); err != nil {
+		return err
+	}
+	if s.out == nil {
+		return nil
+	}
+	row := 0
+	for i, sq := range s.seqs {
+		if !sq.Logits {
+			continue
+		}
+		for q := range r.tp {
+			lo, hi := c.VocabRows(r.tp, q)
+			copy(s.out[i][lo:hi], recv[(q*m+row)*vs:][:hi-lo])
+		}
+		row++
+	}
+	return nil
 }

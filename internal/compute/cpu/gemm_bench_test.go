@@ -14,7 +14,7 @@ func BenchmarkMatRows(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 1))
 	for _, in := range []int{64, 172} {
 		rows := 512
-		w := wmat{dt: model.F32, f32: randVec(r, rows*in), rows: rows, in: in}
+		w := wmat{dt: model.F32, f32: randVec(r, rows*in), rows: rows, in: in, ld: in}
 		for _, n := range []int{1, 3, 32} {
 			x := randVec(r, n*in)
 			out := make([]float32, n*rows)

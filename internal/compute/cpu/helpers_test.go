@@ -72,3 +72,24 @@ func greedy(tb testing.TB, b *Backend, prompt []int32, pages []int32, chunk, ste
 	}
 	return all
 }
+
+// newTPBackend makes tp ranks sharing threads, with pools of pages pages of
+// pageSize tokens on plain Go memory; o.Threads is set from threads.
+func newTPBackend(tb testing.TB, m *model.Model, pageSize, pages, tp, threads int, o Options) *Backend {
+	pools := make([]*kvcache.Pool, tp)
+	var alloc *kvcache.Allocator
+	for r, s := range ShardsFor(m.Config, tp, pageSize, pages) {
+		p, err := kvcache.NewPoolShared(s.Layout, make([]byte, s.Layout.TotalBytes()), alloc)
+		if err != nil {
+			tb.Fatal(err)
+		}
+		pools[r], alloc = p, p.Alloc
+	}
+	o.Threads = threads
+	b, err := NewTP(m, pools, o)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { b.Close() })
+	return b
+}

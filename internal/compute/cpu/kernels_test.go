@@ -152,7 +152,7 @@ func TestGemmKernels(t *testing.T) {
 			for _, rows := range []int{1, 3, 4, 5, 8, 12, 13} {
 				w := randVec(r, rows*in)
 				x := randVec(r, n*in)
-				f32 := wmat{dt: model.F32, f32: w, rows: rows, in: in}
+				f32 := wmat{dt: model.F32, f32: w, rows: rows, in: in, ld: in}
 				got := mulAll(&f32, x, n)
 				for row := 0; row < rows; row++ {
 					for tk := 0; tk < n; tk++ {
@@ -183,9 +183,9 @@ func TestGemmKernels(t *testing.T) {
 					for i, v := range w {
 						u[i], wide[i] = to16(dt, v)
 					}
-					h := wmat{dt: dt, u16: u, rows: rows, in: in}
+					h := wmat{dt: dt, u16: u, rows: rows, in: in, ld: in}
 					g16 := mulAll(&h, x, n)
-					g32 := mulAll(&wmat{dt: model.F32, f32: wide, rows: rows, in: in}, x, n)
+					g32 := mulAll(&wmat{dt: model.F32, f32: wide, rows: rows, in: in, ld: in}, x, n)
 					if !sameBits(g16, g32) {
 						t.Fatalf("%v in=%d n=%d rows=%d: 16-bit kernels differ from float32 on the widened weights", dt, in, n, rows)
 					}

@@ -7,7 +7,6 @@ import (
 	"testing"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
-	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
@@ -37,8 +36,9 @@ func TestLayerCalls(t *testing.T) {
 			snap := func(i, l int) []byte {
 				var buf []byte
 				for _, p := range seqs[i].Pages {
-					buf = append(buf, b.pool.Page(l, kvcache.K, int(p))...)
-					buf = append(buf, b.pool.Page(l, kvcache.V, int(p))...)
+					for _, blk := range b.ranks[0].pool.LayerPage(l, int(p)) {
+						buf = append(buf, blk...)
+					}
 				}
 				return buf
 			}

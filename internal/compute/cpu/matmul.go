@@ -82,7 +82,7 @@ func (j *matJob) run(k int) {
 				blk++
 			}
 			if m.w.dt == model.F32 && hasAVX2 {
-				matRows32(m.w.f32, m.w.in, m.x, m.n, m.out, rows, r0, nr)
+				matRows32(m.w.f32, m.w.in, m.w.ld, m.x, m.n, m.out, rows, r0, nr)
 			} else {
 				matRows(m.w, m.x, m.n, m.out, r0, nr)
 			}
@@ -110,7 +110,7 @@ func ceilDiv(a, b int) int {
 // matRows computes rows r0..r0+nr-1 (nr = 8, 4 or fewer) of w times x
 // [n][in] into out [n][rows].
 func matRows(w *wmat, x []float32, n int, out []float32, r0, nr int) {
-	in, rows := w.in, w.rows
+	in, ld, rows := w.in, w.ld, w.rows
 	_ = x[n*in-1]
 	_ = out[(n-1)*rows+r0+nr-1]
 	if !hasAVX2 {
@@ -123,20 +123,20 @@ func matRows(w *wmat, x []float32, n int, out []float32, r0, nr int) {
 	}
 	switch w.dt {
 	case model.BF16:
-		matRows16(w.u16, in, x, n, out, rows, r0, nr, gemmBF)
+		matRows16(w.u16, in, ld, x, n, out, rows, r0, nr, gemmBF)
 	case model.F16:
-		matRows16(w.u16, in, x, n, out, rows, r0, nr, gemmHF)
+		matRows16(w.u16, in, ld, x, n, out, rows, r0, nr, gemmHF)
 	default:
-		matRows32(w.f32, in, x, n, out, rows, r0, nr)
+		matRows32(w.f32, in, ld, x, n, out, rows, r0, nr)
 	}
 }
 
-func matRows32(w []float32, in int, x []float32, n int, out []float32, rows, r0, nr int) {
-	_ = w[(r0+nr)*in-1]
+func matRows32(w []float32, in, ld int, x []float32, n int, out []float32, rows, r0, nr int) {
+	_ = w[(r0+nr-1)*ld+in-1]
 	if nr < 4 {
 		for r := r0; r < r0+nr; r++ {
 			for t := 0; t < n; t++ {
-				gemm1x1(&w[r*in], in, &x[t*in], in, in, &out[t*rows+r], rows)
+				gemm1x1(&w[r*ld], ld, &x[t*in], in, in, &out[t*rows+r], rows)
 			}
 		}
 		return
@@ -145,18 +145,18 @@ func matRows32(w []float32, in int, x []float32, n int, out []float32, rows, r0,
 		r := r0 + g
 		t := 0
 		for ; t+3 <= n; t += 3 {
-			gemm4x3(&w[r*in], in, &x[t*in], in, in, &out[t*rows+r], rows)
+			gemm4x3(&w[r*ld], ld, &x[t*in], in, in, &out[t*rows+r], rows)
 		}
 		if n-t == 2 {
-			gemm4x2(&w[r*in], in, &x[t*in], in, in, &out[t*rows+r], rows)
+			gemm4x2(&w[r*ld], ld, &x[t*in], in, in, &out[t*rows+r], rows)
 		}
 	}
 	if n%3 == 1 {
 		t := n - 1
 		if nr == 8 {
-			gemm8x1(&w[r0*in], in, &x[t*in], in, in, &out[t*rows+r0], rows)
+			gemm8x1(&w[r0*ld], ld, &x[t*in], in, in, &out[t*rows+r0], rows)
 		} else {
-			gemm4x1(&w[r0*in], in, &x[t*in], in, in, &out[t*rows+r0], rows)
+			gemm4x1(&w[r0*ld], ld, &x[t*in], in, in, &out[t*rows+r0], rows)
 		}
 	}
 }
@@ -172,12 +172,12 @@ var (
 )
 
 // matRows16 is matRows32 for 16-bit weights (in a multiple of 8).
-func matRows16(w []uint16, in int, x []float32, n int, out []float32, rows, r0, nr int, k *gemm16) {
-	_ = w[(r0+nr)*in-1]
+func matRows16(w []uint16, in, ld int, x []float32, n int, out []float32, rows, r0, nr int, k *gemm16) {
+	_ = w[(r0+nr-1)*ld+in-1]
 	if nr < 4 {
 		for r := r0; r < r0+nr; r++ {
 			for t := 0; t < n; t++ {
-				k.k1x1(&w[r*in], in, &x[t*in], in, in, &out[t*rows+r], rows)
+				k.k1x1(&w[r*ld], ld, &x[t*in], in, in, &out[t*rows+r], rows)
 			}
 		}
 		return
@@ -186,18 +186,18 @@ func matRows16(w []uint16, in int, x []float32, n int, out []float32, rows, r0, 
 		r := r0 + g
 		t := 0
 		for ; t+3 <= n; t += 3 {
-			k.k4x3(&w[r*in], in, &x[t*in], in, in, &out[t*rows+r], rows)
+			k.k4x3(&w[r*ld], ld, &x[t*in], in, in, &out[t*rows+r], rows)
 		}
 		if n-t == 2 {
-			k.k4x2(&w[r*in], in, &x[t*in], in, in, &out[t*rows+r], rows)
+			k.k4x2(&w[r*ld], ld, &x[t*in], in, in, &out[t*rows+r], rows)
 		}
 	}
 	if n%3 == 1 {
 		t := n - 1
 		if nr == 8 {
-			k.k8x1(&w[r0*in], in, &x[t*in], in, in, &out[t*rows+r0], rows)
+			k.k8x1(&w[r0*ld], ld, &x[t*in], in, in, &out[t*rows+r0], rows)
 		} else {
-			k.k4x1(&w[r0*in], in, &x[t*in], in, in, &out[t*rows+r0], rows)
+			k.k4x1(&w[r0*ld], ld, &x[t*in], in, in, &out[t*rows+r0], rows)
 		}
 	}
 }
@@ -210,17 +210,17 @@ func dotRowGo(w *wmat, r int, x []float32) float32 {
 	var acc [8]float32
 	switch w.dt {
 	case model.F32:
-		row := w.f32[r*n : (r+1)*n]
+		row := w.f32[r*w.ld : r*w.ld+n]
 		for i := 0; i < n; i++ {
 			acc[i%8] += row[i] * x[i]
 		}
 	case model.BF16:
-		row := w.u16[r*n : (r+1)*n]
+		row := w.u16[r*w.ld : r*w.ld+n]
 		for i := 0; i < n; i++ {
 			acc[i%8] += model.BF16ToF32(row[i]) * x[i]
 		}
 	default:
-		row := w.u16[r*n : (r+1)*n]
+		row := w.u16[r*w.ld : r*w.ld+n]
 		for i := 0; i < n; i++ {
 			acc[i%8] += model.F16ToF32(row[i]) * x[i]
 		}
