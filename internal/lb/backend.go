@@ -35,6 +35,7 @@ type backend struct {
 
 	// The health checks' own state (one check of a server runs at a time).
 	checked      bool  // a check ran
+	slow         int   // checks in a row that timed out while healthy
 	reportedPort int64 // the bootstrap port the server last reported
 	warnedPort   int64 // the last reported port logged as a mismatch
 }

@@ -3,6 +3,7 @@ package lb
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -42,6 +43,18 @@ func (l *LB) checkOne(ctx context.Context, b *backend) {
 		return // stopping: no verdict
 	}
 	first, was, prev := !b.checked, b.healthy.Load(), b.why.Load()
+	if err != nil && was && errors.Is(err, context.DeadlineExceeded) {
+		// A busy server can miss one check's bound: a healthy one is
+		// taken out after slowChecks in a row (a refused connection or a
+		// wrong answer acts at once). No passed check is recorded, so the
+		// upstream idle bound still runs.
+		if b.slow++; b.slow < slowChecks {
+			l.lg.Debug("health check timed out; still routing to the server", zap.String("role", b.role), zap.Int("index", b.id),
+				zap.Int("in_a_row", b.slow), zap.String("reason", err.Msg))
+			return
+		}
+	}
+	b.slow = 0
 	b.checked = true
 	b.why.Store(err)
 	b.healthy.Store(err == nil)
@@ -74,6 +87,10 @@ func (l *LB) checkOne(ctx context.Context, b *backend) {
 			append(fields, zap.Int("flag", b.flagPort), zap.Int64("reported", b.reportedPort))...)
 	}
 }
+
+// slowChecks is how many health checks in a row must time out before a
+// healthy server is taken out.
+const slowChecks = 3
 
 // healthGenerateTimeout bounds each server's answer to GET /health_generate
 // (a server's own bound is 20 s).

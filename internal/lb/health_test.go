@@ -1,12 +1,14 @@
 package lb
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -256,5 +258,42 @@ func TestMetricLabelsBounded(t *testing.T) {
 	}
 	if seen != 2 {
 		t.Fatalf("%d mooncake_lb_backend_healthy series, want 2", seen)
+	}
+}
+
+// TestSlowChecks: a healthy server that misses a check's bound keeps its
+// requests until slowChecks checks in a row timed out; a wrong answer
+// takes it out at once.
+func TestSlowChecks(t *testing.T) {
+	p, d := newFake(t, "prefill"), newFake(t, "decode")
+	reg := prometheus.NewRegistry()
+	l, err := New(Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, HealthInterval: 50 * time.Millisecond, Registerer: reg, Gatherer: reg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, b := context.Background(), l.decode[0]
+	l.checkOne(ctx, b)
+	if !b.healthy.Load() {
+		t.Fatalf("decode unhealthy: %v", b.why.Load())
+	}
+	d.stall.Store(int64(time.Second))
+	for i := 1; i < slowChecks; i++ {
+		if l.checkOne(ctx, b); !b.healthy.Load() {
+			t.Fatalf("taken out after %d timed-out checks", i)
+		}
+	}
+	if l.checkOne(ctx, b); b.healthy.Load() || !strings.Contains(b.why.Load().Msg, "deadline") {
+		t.Fatalf("still healthy after %d timed-out checks (why %v)", slowChecks, b.why.Load())
+	}
+	d.stall.Store(0)
+	if l.checkOne(ctx, b); !b.healthy.Load() {
+		t.Fatalf("answers again but unhealthy: %v", b.why.Load())
+	}
+	d.stall.Store(int64(time.Second))
+	l.checkOne(ctx, b) // one timeout: still in
+	d.stall.Store(0)
+	d.down.Store(true)
+	if l.checkOne(ctx, b); b.healthy.Load() {
+		t.Fatal("a server answering 503 kept its requests")
 	}
 }

@@ -40,9 +40,10 @@ type Config struct {
 	Policy     string
 	Policies   *Policies
 	CacheAware CacheAwareConfig // cache_aware's parameters
-	// HealthInterval is the period of health checks (default 1s). A server
-	// that fails a check stops receiving requests; one that passes again is
-	// used from the next check on. Each check also reads the server's load:
+	// HealthInterval is the period of health checks (default 1s), and each
+	// check's bound. A server that fails a check stops receiving requests
+	// (one that was healthy, after 3 checks in a row that timed out); one
+	// that passes again is used from the next check on. Each check also reads the server's load:
 	// servers with room are preferred to full ones.
 	HealthInterval time.Duration
 	// UpstreamIdleTimeout bounds how long an upstream answer may show no

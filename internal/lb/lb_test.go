@@ -25,7 +25,8 @@ type fakeServer struct {
 	mode    string
 	modeNow atomic.Pointer[string] // setMode's, if set
 	down    atomic.Bool
-	fail    atomic.Bool // answer /generate with 400
+	stall   atomic.Int64 // /health answers after this many nanoseconds
+	fail    atomic.Bool  // answer /generate with 400
 	mu      sync.Mutex
 	bodies  []map[string]any
 	headers []http.Header
@@ -50,6 +51,12 @@ func newFake(t *testing.T, mode string) *fakeServer {
 		}
 		switch r.URL.Path {
 		case "/health":
+			if d := time.Duration(f.stall.Load()); d > 0 {
+				select {
+				case <-time.After(d):
+				case <-r.Context().Done():
+				}
+			}
 		case "/health_generate":
 			if c := f.healthGen.Load(); c != 0 {
 				w.WriteHeader(int(c))
