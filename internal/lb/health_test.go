@@ -67,6 +67,8 @@ func TestRoleCheck(t *testing.T) {
 			t.Fatalf("%d %s", code, out)
 		}
 	}
+	// The answer comes from the decode; the prefill's copy may still be on its way.
+	waitFor(t, 5*time.Second, func() bool { return p.count() == 4 })
 	if wrong.count() != 0 || colocated.count() != 0 || p.count() != 4 || d.count() != 4 {
 		t.Fatalf("requests: refused %d and %d, the others %d and %d", wrong.count(), colocated.count(), p.count(), d.count())
 	}
