@@ -131,6 +131,7 @@ func TestBootstrapPortFlag(t *testing.T) {
 			t.Fatalf("%d %s", code, out)
 		}
 	}
+	waitFor(t, 5*time.Second, func() bool { return p1.count() == 1 && p2.count() == 1 }) // the prefills' copies may end after the answers
 	if b1, b2 := p1.last(), p2.last(); b1["bootstrap_port"] != float64(7777) || b2["bootstrap_port"] != float64(8888) {
 		t.Fatalf("bootstrap ports sent: %v and %v", b1["bootstrap_port"], b2["bootstrap_port"])
 	}

@@ -313,9 +313,7 @@ func TestDisaggMatchesColocated(t *testing.T) {
 		if b1 == nil || b1 == b2 {
 			t.Fatalf("prefill bootstrap ports %v and %v: want two distinct ports", b1, b2)
 		}
-		// Policy random: round_robin shares one counter between the roles,
-		// so with two of each it pairs prefill1 with decode2 only (see the
-		// report on internal/lb).
+		// The LB's default policy (random): every server gets requests.
 		l := lb(t, "lb", []*server{p1, p2}, []*server{d1, d2})
 		got := runAll(t, l.url, ws, 16)
 		compare(t, "2P2D", ws, want, got)
