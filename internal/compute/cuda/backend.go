@@ -49,7 +49,7 @@ type Options struct {
 	// whose kernel choice depends on the token count. Slower.
 	BatchInvariant bool
 	// RandomWeights makes seeded random weights on the GPU (uniform, std
-	// 0.02; norms 1) instead of uploading m.W, which may then be nil: for
+	// 0.02; norms 1) instead of uploading m's tensors, which it may lack: for
 	// benchmarks of large shapes.
 	RandomWeights bool
 	Seed          int64
@@ -319,9 +319,15 @@ func (b *Backend) allocKV() error {
 	return nil
 }
 
-// scratchReserve is what the activations of a large prefill chunk need.
+// scratchReserve is what the activations of a large prefill chunk need
+// (with experts: their routed rows, moeBufs).
 func scratchReserve(c *model.Config, eb int) int64 {
-	return 1<<30 + int64(8192)*int64(2*c.HiddenDim+c.Heads*c.HeadDim*3)*int64(eb+4)
+	r := 1<<30 + int64(8192)*int64(2*c.HiddenDim+c.Heads*c.HeadDim*3)*int64(eb+4)
+	if c.Spec != nil && c.Spec.MLP.MoE {
+		r += int64(8192) * int64(c.TopK) * (int64(c.Dim)*int64(eb+4) + int64(3*c.ExpertDim*eb) + 12)
+		r += int64(8192) * (int64(c.Experts+1)*4 + int64(3*c.SharedExpertDim*eb) + int64(c.Dim)*4)
+	}
+	return r
 }
 
 // Config is the model's configuration.

@@ -124,7 +124,11 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		bias := w.bqkv
 		if qkNorm {
 			// The biases, then each q and k head's RMSNorm, in place.
-			r.launch(b.bk.qkNorm, cu.Dim3{X: nb, Y: uint32(c.Heads + 2*c.KVHeads), Z: 1}, cu.D1(32), 0, d.qkv, w.bqkv,
+			heads := c.Heads + c.KVHeads // the v heads' blocks only add their bias
+			if w.bqkv != 0 {
+				heads += c.KVHeads
+			}
+			r.launch(b.bk.qkNorm, cu.Dim3{X: nb, Y: uint32(heads), Z: 1}, cu.D1(32), 0, d.qkv, w.bqkv,
 				w.qNorm, w.kNorm, int32(c.Heads), int32(c.KVHeads), c.NormEps)
 			bias = null
 		}
