@@ -33,12 +33,9 @@ func gpuPresent() (bool, string) {
 	return true, ""
 }
 
-// cudaRuns says whether the CUDA backend runs c's architecture: the Llama
-// blocks only (q/k/v biases included) until it composes its layers from the
-// Spec; anything else it would run as a different model.
-func cudaRuns(c model.Config) bool {
-	return c.Spec != nil && !c.Spec.Attention.QKNorm && !c.Spec.MLP.MoE && c.SlidingWindow == 0
-}
+// cudaRuns says whether the CUDA backend runs c's architecture (every
+// registered block but sliding-window attention: cudabe.Supports).
+func cudaRuns(c model.Config) bool { return cudabe.Supports(c) == nil }
 
 // backend is the model backend serve runs on, with its KV pool registered
 // with the transfer engine.
@@ -106,9 +103,8 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	if ok, why := gpuPresent(); !ok {
 		return nil, fmt.Errorf("--device cuda: no usable GPU: %s", why)
 	}
-	if !cudaRuns(m.Config) {
-		return nil, fmt.Errorf("--device cuda: %s (q/k norms, experts or a sliding window) is not implemented by the CUDA backend yet; use --device cpu",
-			m.Config.ArchName())
+	if err := cudabe.Supports(m.Config); err != nil {
+		return nil, fmt.Errorf("--device cuda: %w; use --device cpu", err)
 	}
 	be, err := cudabe.New(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
 		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,

@@ -1,4 +1,5 @@
-// Package cuda is the CUDA backend of compute.Model: the Llama forward pass
+// Package cuda is the CUDA backend of compute.Model: the forward pass of the
+// registered architectures' blocks (blocks.go; not sliding-window attention)
 // on one NVIDIA GPU, with weights in bf16 (or f32 for exactness checks), the
 // KV cache in a paged pool in GPU memory (one VMM allocation that can be
 // exported to another process), GEMMs through cuBLAS and the other kernels
@@ -6,7 +7,8 @@
 //
 // All GPU work of a backend runs on one stream of its own (non-blocking, so
 // it neither waits for nor blocks the legacy default stream, and can be
-// captured); cuBLAS runs on it with a fixed workspace. Forward calls are
+// captured); cuBLAS runs on it with a fixed workspace. MoE layers route on
+// the host mid-pass, so MoE models run without CUDA graphs. Forward calls are
 // serialised and lock their goroutine to an OS thread (cuBLAS uses the
 // thread's current context; a capture must end on the thread that began
 // it). A pass is planned first (plan.go: a pure function of the batch),
@@ -47,7 +49,7 @@ type Options struct {
 	// whose kernel choice depends on the token count. Slower.
 	BatchInvariant bool
 	// RandomWeights makes seeded random weights on the GPU (uniform, std
-	// 0.02; norms 1) instead of uploading m.W, which may then be nil: for
+	// 0.02; norms 1) instead of uploading m's tensors, which it may lack: for
 	// benchmarks of large shapes.
 	RandomWeights bool
 	Seed          int64
@@ -112,6 +114,8 @@ type Backend struct {
 	blas   *cublas.Handle
 	mod    *cu.Module
 	fn     kernels
+	bk     blockKernels // the blocks beyond Llama's (nil functions when the Spec has none)
+	moe    moeBufs
 	w      devWeights
 	layout kvcache.Layout
 	kvPool *cu.Pool     // VMM pool (nil when the fallback allocation is used)
@@ -153,6 +157,9 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	}
 	c := m.Config
 	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	if err := Supports(c); err != nil {
 		return nil, err
 	}
 	if c.HeadDim%8 != 0 {
@@ -227,7 +234,10 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	b.pc = planConfig{pageSize: opts.PageSize, split: b.fn.split, heads: c.Heads, kvHeads: c.KVHeads, headDim: c.HeadDim,
 		dim: c.Dim, hidden: c.HiddenDim, vocab: c.Vocab, eb: b.eb, flash: b.flash && !opts.NoFlashPrefill,
 		maxSeqLen: c.MaxSeqLen, partBudget: partBudget}
-	if !opts.DisableCUDAGraph {
+	if c.Spec.MLP.MoE && !opts.DisableCUDAGraph {
+		// The MoE blocks route on the host in the middle of a pass.
+		b.lg.Info("CUDA graphs off: MoE layers route on the host", zap.String("architecture", c.ArchName()))
+	} else if !opts.DisableCUDAGraph {
 		if b.graphs, err = b.newGraphs(cmp.Or(opts.CUDAGraphMaxBS, defaultGraphMaxBS)); err != nil {
 			return nil, err
 		}
@@ -309,9 +319,15 @@ func (b *Backend) allocKV() error {
 	return nil
 }
 
-// scratchReserve is what the activations of a large prefill chunk need.
+// scratchReserve is what the activations of a large prefill chunk need
+// (with experts: their routed rows, moeBufs).
 func scratchReserve(c *model.Config, eb int) int64 {
-	return 1<<30 + int64(8192)*int64(2*c.HiddenDim+c.Heads*c.HeadDim*3)*int64(eb+4)
+	r := 1<<30 + int64(8192)*int64(2*c.HiddenDim+c.Heads*c.HeadDim*3)*int64(eb+4)
+	if c.Spec != nil && c.Spec.MLP.MoE {
+		r += int64(8192) * int64(c.TopK) * (int64(c.Dim)*int64(eb+4) + int64(3*c.ExpertDim*eb) + 12)
+		r += int64(8192) * (int64(c.Experts+1)*4 + int64(3*c.SharedExpertDim*eb) + int64(c.Dim)*4)
+	}
+	return r
 }
 
 // Config is the model's configuration.
@@ -383,6 +399,9 @@ func (b *Backend) release() error {
 	}
 	if b.mod != nil {
 		errs = append(errs, b.mod.Unload())
+	}
+	if b.bk.mod != nil {
+		errs = append(errs, b.bk.mod.Unload())
 	}
 	if b.blas != nil {
 		errs = append(errs, b.blas.Destroy())

@@ -37,6 +37,7 @@ func (s *scratch) free(b *Backend) {
 	}
 	s.hostMeta.Free()
 	s.hostLogits.Free()
+	b.moe.free(b)
 	s.hostMeta, s.hostLogits = nil, nil
 }
 
@@ -198,6 +199,9 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	}
 	d, err := b.eagerBufs(p)
 	if err != nil {
+		return err
+	}
+	if err := b.ensureMoE(p.n); err != nil {
 		return err
 	}
 	var sb *sampleBufs
@@ -384,36 +388,22 @@ const partBudget = 256 << 20
 // (no cancellation checks) and seqs nil (no layer calls).
 func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []compute.Seq) error {
 	c := &b.cfg
-	dim, qd, kvd, hid := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim
+	dim, hd := c.Dim, c.HeadDim
 	n, m := p.n, p.m
-	st := b.stream
-	r := &run{b: b, s: st}
-	meta := func(off int) cu.DevicePtr { return d.meta + cu.DevicePtr(off*4) }
-	slots := d.meta + cu.DevicePtr(p.slot*8)
-	null := cu.DevicePtr(0)
-	nb := uint32(n)
-	hd := c.HeadDim
-	interleaved := int32(0)
+	r := &run{b: b, s: b.stream}
+	lp := &layerPass{r: r, p: p, d: d, slots: d.meta + cu.DevicePtr(p.slot*8), fused: b.fused(n), sk: b.skinny(n),
+		xsmem: uint32(n * dim * 2), vt: rmsVT(dim), scaleLog2: float32(1 / math.Sqrt(float64(hd)) * math.Log2E),
+		div:        float32(math.Sqrt(float64(hd))),
+		layerBytes: cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes())),
+		partML:     d.part + cu.DevicePtr(uint64(p.qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4)}
 	if c.Spec.Attention.Rope == model.RopeInterleaved {
-		interleaved = 1
+		lp.interleaved = 1
 	}
-	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
-	div := float32(math.Sqrt(float64(hd)))
-	layerBytes := cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes()))
-	rmsT := rmsThreads(dim)
-	fused, sk := b.fused(n), b.skinny(n)
-	vt := rmsVT(dim)
-	xsmem := uint32(n * dim * 2) // gemv2's normalised x, n rows of T
-	ropeY := ropeBlocks(c.Heads, c.KVHeads, hd)
-	siluY := siluBlocks(hid)
-	qchunk := p.qchunk
-	partML := d.part + cu.DevicePtr(uint64(qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4)
-
 	hooked := false
 	for i := range seqs {
 		hooked = hooked || seqs[i].Layer != nil
 	}
-	r.launch(b.fn.embed, cu.D1(nb), cu.D1(256), 0, d.x, b.w.embed, meta(p.tok), int32(dim))
+	r.launch(b.fn.embed, cu.D1(uint32(n)), cu.D1(256), 0, d.x, b.w.embed, lp.meta(p.tok), int32(dim))
 	for li := range b.w.layers {
 		if ctx != nil {
 			if err := ctx.Err(); err != nil {
@@ -421,80 +411,14 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 			}
 		}
 		w := &b.w.layers[li]
-		kc := b.kvBase + cu.DevicePtr(2*li)*layerBytes
-		vc := kc + layerBytes
-		if fused {
-			f := b.fn.g2QKV
-			r.launchDep(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
-				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), vt, c.NormEps,
-				int32(c.Heads), int32(c.KVHeads), interleaved)
-		} else if sk && b.fn.skQKV != nil {
-			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
-			f := &b.fn
-			rb := ceilDiv(qd+2*kvd, skRows)
-			s, cps := skSplit(f.skCap, rb, dim)
-			r.launchDep(f.skQKV, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.q, kc, vc, d.xb, w.wqkv,
-				w.bqkv, meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), int32(c.Heads),
-				int32(c.KVHeads), interleaved, int32(cps), f.skPart, f.skCnt)
+		if err := b.attention(lp, li, w, seqs, hooked); err != nil {
+			return err
+		}
+		if w.moe != nil {
+			b.moeMLP(lp, w)
 		} else {
-			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
-			r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
-			r.launch(b.fn.ropeKV, cu.Dim3{X: nb, Y: ropeY, Z: 1}, cu.D1(ropeThreads), 0, d.q, kc, vc, d.qkv, w.bqkv,
-				meta(p.pos), slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), interleaved)
+			b.denseMLP(lp, w)
 		}
-		if hooked && r.err == nil {
-			if err := b.reportLayer(st, seqs, li); err != nil {
-				return fmt.Errorf("cuda backend: layer %d: %w", li, err)
-			}
-		}
-		if p.np > 0 && b.fn.attnFlash2 != nil {
-			bq := 16 * b.fn.flash2Warps
-			r.launch(b.fn.attnFlash2, cu.Dim3{X: uint32((p.maxPrefill + bq - 1) / bq), Y: uint32(c.Heads), Z: uint32(p.np)},
-				cu.D1(uint32(32*b.fn.flash2Warps)), uint32(b.fn.flash2Smem), d.att, d.q, kc, vc, meta(p.pStart), meta(p.pLen),
-				meta(p.pPos0), meta(p.pPtoff), meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), scaleLog2)
-		} else if p.np > 0 {
-			r.launch(b.fn.attnFlash, cu.Dim3{X: uint32((p.maxPrefill + 63) / 64), Y: uint32(c.Heads), Z: uint32(p.np)},
-				cu.D1(128), 0, d.att, d.q, kc, vc, meta(p.pStart), meta(p.pLen), meta(p.pPos0), meta(p.pPtoff),
-				meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), scaleLog2)
-		}
-		for q0 := 0; q0 < p.ng; q0 += qchunk {
-			cnt := uint32(min(qchunk, p.ng-q0))
-			grid := cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}
-			args := []any{d.part, partML, d.q, kc, vc, meta(p.gRow), meta(p.gPos), meta(p.gPtoff), meta(p.pages),
-				int32(b.layout.PageSize), int32(p.nsplit), int32(c.Heads), int32(c.KVHeads), int32(q0)}
-			f := &b.fn
-			switch {
-			case f.attnDecode2 != nil && f.attnCnt != 0 && int(cnt) <= f.attnCntQ:
-				// The last split block of each query merges: no combine.
-				r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, scaleLog2, d.att, f.attnCnt)...)
-				continue
-			case f.attnDecode2 != nil:
-				r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, scaleLog2, null, null)...)
-			case f.attnDecode != nil:
-				r.launch(f.attnDecode, grid, cu.D1(128), 0, append(args, div)...)
-			default:
-				r.launch(f.attnSplit, grid, cu.D1(uint32(f.attThreads)), 0, append(args, div)...)
-			}
-			r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
-				d.att, d.part, partML, meta(p.gRow), meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
-		}
-		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
-		if fused {
-			f := b.fn.g2SiLU
-			r.launchDep(f, b.g2Grid(f, hid), cu.D1(g2Threads), xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
-				int32(dim), vt, c.NormEps)
-		} else if sk && b.fn.skSiLU != nil {
-			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
-			f := &b.fn
-			s, cps := skSplit(f.skCap, hid/64, dim)
-			r.launchDep(f.skSiLU, cu.Dim3{X: uint32(hid / 64), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.h, d.xb, w.w13,
-				int32(n), int32(hid), int32(dim), int32(cps), f.skPart, f.skCnt)
-		} else {
-			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
-			r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
-			r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluY, Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
-		}
-		r.gemm(d.x, true, d.h, w.w2, n, dim, hid, 1)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: layer %d: %w", li, r.err)
 		}
@@ -502,12 +426,13 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	if m > 0 && b.fused(m) {
 		f := b.fn.g2Norm
 		r.launchDep(f, b.g2Grid(f, (c.Vocab+1)/2), cu.D1(g2Threads), uint32(m*dim*2), d.logits, d.x, b.w.norm,
-			meta(p.lrows), b.w.lmHead, int32(m), int32(c.Vocab), int32(dim), vt, c.NormEps)
+			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(c.Vocab), int32(dim), lp.vt, c.NormEps)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: logits: %w", r.err)
 		}
 	} else if m > 0 {
-		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsT), 0, d.lx, d.x, b.w.norm, meta(p.lrows), int32(dim), c.NormEps)
+		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsThreads(dim)), 0, d.lx, d.x, b.w.norm, lp.meta(p.lrows), int32(dim),
+			c.NormEps)
 		r.gemm(d.logits, true, d.lx, b.w.lmHead, m, c.Vocab, dim, 0)
 		if r.err != nil {
 			return fmt.Errorf("cuda backend: logits: %w", r.err)

@@ -58,14 +58,20 @@ func TestStories260K(t *testing.T) {
 	}
 }
 
-// TestVsCPU compares logits with the CPU backend on random models, with
-// chunked prefill, several sequences at once and decode steps.
+// TestVsCPU compares logits with the CPU backend on random models of every
+// block combination (Llama, Qwen2's biases, Qwen3's q/k norms, Qwen3-MoE,
+// Qwen2-MoE's shared expert and dense layer, Mixtral), with chunked
+// prefill, several sequences at once and decode steps.
 func TestVsCPU(t *testing.T) {
-	for _, shape := range []string{"tiny", "tiny-qwen2", "tiny-llama3"} {
+	for _, shape := range []string{"tiny", "tiny-qwen2", "tiny-llama3", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"} {
 		m, err := model.NewRandom(shape, 7)
 		if err != nil {
 			t.Fatal(err)
 		}
+		// No sliding windows on this backend: tiny-mixtral runs its
+		// experts with the window off in both backends (as Mixtral 8x7B's
+		// config.json has it).
+		m.Config.SlidingWindow = 0
 		r := rand.New(rand.NewPCG(1, 2))
 		prompts := [][]int32{randPrompt(r, 1, m.Config.Vocab), randPrompt(r, 9, m.Config.Vocab),
 			randPrompt(r, 70, m.Config.Vocab), randPrompt(r, 300, m.Config.Vocab)}

@@ -174,6 +174,9 @@ func (b *Backend) loadKernels() error {
 	if err != nil {
 		return fmt.Errorf("cuda backend: %w", err)
 	}
+	if err := b.loadBlocks(k, opts); err != nil {
+		return err
+	}
 	tu := b.opts.tune
 	fw := cmp.Or(tu.flashWarps, defaultFlashWarps)
 	v2 := append(append([]string{}, opts...), "-DMC_V2=1", fmt.Sprintf("-DFA2_WARPS=%d", max(fw, 4)))

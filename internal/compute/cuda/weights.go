@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"errors"
 	"fmt"
 	"math"
 	"runtime"
@@ -23,134 +24,148 @@ type devWeights struct {
 type devLayer struct {
 	attnNorm, ffnNorm cu.DevicePtr // f32 [Dim]
 	bqkv              cu.DevicePtr // f32 [q+2kv], 0 without bias
-	wqkv, wo, w13, w2 cu.DevicePtr
+	qNorm, kNorm      cu.DevicePtr // f32 [HeadDim], 0 without q/k norms
+	wqkv, wo, w13, w2 cu.DevicePtr // w13, w2: the dense MLP (0 in MoE layers)
+	moe               *devMoE      // nil in dense layers
 }
 
+// devMoE is a mixture-of-experts layer's weights.
+type devMoE struct {
+	router    cu.DevicePtr // T [Experts (+1: the shared expert's gate)][Dim]
+	w13, w2   cu.DevicePtr // T [Experts][2*ExpertDim][Dim] (gate, up), [Experts][Dim][ExpertDim]
+	sw13, sw2 cu.DevicePtr // the shared expert's [2*S][Dim], [Dim][S]; 0 without
+}
+
+// uploadWeights copies m's tensors to the GPU from their stored dtype: bf16
+// tensors into a bf16 backend (and f32 into an f32 one) as they are, from
+// the memory mapping, with no host copy; others converted in bounded
+// chunks. With RandomWeights they are made on the GPU instead.
 func (b *Backend) uploadWeights(m *model.Model) error {
 	c := &b.cfg
-	qd, kvd := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
 	eb := uint64(b.eb)
 	w := &b.w
+	random := b.opts.RandomWeights
+	if !random && len(m.Layers) != c.Layers {
+		return fmt.Errorf("cuda backend: %d layers of weights, config says %d", len(m.Layers), c.Layers)
+	}
 	var seed uint64 = uint64(b.opts.Seed)*0x9E3779B97F4A7C15 + 1
 	nextSeed := func() uint64 { seed += 0xBF58476D1CE4E5B9; return seed }
 	const std = 0.02
 	uni := float32(std * math.Sqrt(3))
 
-	// mat uploads (or fills) one T matrix made of the given host parts.
-	mat := func(rows, cols int, parts ...[]float32) (cu.DevicePtr, error) {
+	// mat uploads (or fills) one T matrix [rows][cols] made of parts
+	// stacked by rows.
+	mat := func(rows, cols int, parts ...*model.Tensor) (cu.DevicePtr, error) {
 		n := uint64(rows) * uint64(cols)
 		p, err := b.alloc(n * eb)
 		if err != nil {
 			return 0, err
 		}
 		w.bytes += int64(n * eb)
-		if b.opts.RandomWeights {
+		if random {
 			return p, b.fill(b.fn.fillT, p, n, nextSeed(), uni, 0)
 		}
 		off := uint64(0)
-		for _, part := range parts {
-			if err := b.upload(p+cu.DevicePtr(off*eb), part, b.bf16); err != nil {
-				return 0, err
+		for _, t := range parts {
+			if t == nil {
+				return 0, errors.New("cuda backend: a tensor of the architecture is missing")
 			}
-			off += uint64(len(part))
+			if err := b.uploadTensor(p+cu.DevicePtr(off*eb), t); err != nil {
+				return 0, fmt.Errorf("cuda backend: %s: %w", t.Name, err)
+			}
+			off += uint64(t.Numel())
 		}
 		if off != n {
-			return 0, fmt.Errorf("cuda backend: tensor of %d elements, want %dx%d", off, rows, cols)
+			return 0, fmt.Errorf("cuda backend: tensors of %d elements, want %dx%d", off, rows, cols)
 		}
 		return p, nil
 	}
-	// vec uploads one f32 vector; random weights: norms 1, biases small.
-	vec := func(n int, v []float32, one bool) (cu.DevicePtr, error) {
+	// vec uploads one f32 vector made of parts; random weights: norms 1,
+	// biases small.
+	vec := func(n int, one bool, parts ...*model.Tensor) (cu.DevicePtr, error) {
 		p, err := b.alloc(uint64(n) * 4)
 		if err != nil {
 			return 0, err
 		}
 		w.bytes += int64(n) * 4
-		if b.opts.RandomWeights {
+		if random {
 			if one {
 				return p, b.fill(b.fn.fillF, p, uint64(n), nextSeed(), 0, 1)
 			}
 			return p, b.fill(b.fn.fillF, p, uint64(n), nextSeed(), uni, 0)
+		}
+		v := make([]float32, 0, n)
+		for _, t := range parts {
+			if t == nil {
+				return 0, errors.New("cuda backend: a tensor of the architecture is missing")
+			}
+			v = append(v, t.ToF32()...)
 		}
 		if len(v) != n {
 			return 0, fmt.Errorf("cuda backend: vector of %d elements, want %d", len(v), n)
 		}
 		return p, b.upload(p, v, false)
 	}
-	var hw *model.Weights
-	if !b.opts.RandomWeights {
-		var err error
-		if hw, err = m.Float32Weights(); err != nil {
-			return fmt.Errorf("cuda backend: %w", err)
+	lt := func(i int) *model.LayerTensors {
+		if random {
+			return &model.LayerTensors{}
 		}
-		if len(hw.Layers) != c.Layers {
-			return fmt.Errorf("cuda backend: %d layers of weights, config says %d", len(hw.Layers), c.Layers)
-		}
-	}
-	hl := func(i int) *model.Layer {
-		if hw == nil {
-			return &model.Layer{}
-		}
-		return &hw.Layers[i]
+		return &m.Layers[i]
 	}
 	var err error
-	embed := func() []float32 {
-		if hw == nil {
-			return nil
-		}
-		return hw.Embed
-	}
-	if w.embed, err = mat(c.Vocab, c.Dim, embed()); err != nil {
+	if w.embed, err = mat(c.Vocab, c.Dim, m.Embed); err != nil {
 		return err
 	}
+	sp := c.Spec
+	qd, kvd := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
 	w.layers = make([]devLayer, c.Layers)
 	for i := range w.layers {
-		l, h := &w.layers[i], hl(i)
-		if l.attnNorm, err = vec(c.Dim, h.AttnNorm, true); err != nil {
+		l, h := &w.layers[i], lt(i)
+		if l.attnNorm, err = vec(c.Dim, true, h.AttnNorm); err != nil {
 			return err
 		}
-		if l.ffnNorm, err = vec(c.Dim, h.FFNNorm, true); err != nil {
+		if l.ffnNorm, err = vec(c.Dim, true, h.MLPNorm); err != nil {
 			return err
 		}
-		if c.Spec.Attention.QKVBias {
-			var bias []float32
-			if hw != nil {
-				bias = append(append(append(make([]float32, 0, qd+2*kvd), h.BQ...), h.BK...), h.BV...)
-			}
-			if l.bqkv, err = vec(qd+2*kvd, bias, false); err != nil {
+		if sp.Attention.QKVBias {
+			if l.bqkv, err = vec(qd+2*kvd, false, h.QBias, h.KBias, h.VBias); err != nil {
 				return err
 			}
 		}
-		if l.wqkv, err = mat(qd+2*kvd, c.Dim, h.WQ, h.WK, h.WV); err != nil {
+		if sp.Attention.QKNorm {
+			if l.qNorm, err = vec(c.HeadDim, true, h.QNorm); err != nil {
+				return err
+			}
+			if l.kNorm, err = vec(c.HeadDim, true, h.KNorm); err != nil {
+				return err
+			}
+		}
+		if l.wqkv, err = mat(qd+2*kvd, c.Dim, h.Q, h.K, h.V); err != nil {
 			return err
 		}
-		if l.wo, err = mat(c.Dim, qd, h.WO); err != nil {
+		if l.wo, err = mat(c.Dim, qd, h.O); err != nil {
 			return err
 		}
-		if l.w13, err = mat(2*c.HiddenDim, c.Dim, h.W1, h.W3); err != nil {
-			return err
+		if !c.MoELayer(i) {
+			if l.w13, err = mat(2*c.HiddenDim, c.Dim, h.Gate, h.Up); err != nil {
+				return err
+			}
+			if l.w2, err = mat(c.Dim, c.HiddenDim, h.Down); err != nil {
+				return err
+			}
+			continue
 		}
-		if l.w2, err = mat(c.Dim, c.HiddenDim, h.W2); err != nil {
+		if l.moe, err = b.uploadMoE(c, h, mat); err != nil {
 			return err
 		}
 	}
-	var norm []float32
-	if hw != nil {
-		norm = hw.Norm
-	}
-	if w.norm, err = vec(c.Dim, norm, true); err != nil {
+	if w.norm, err = vec(c.Dim, true, m.Norm); err != nil {
 		return err
 	}
 	if c.TiedEmbedding {
 		w.lmHead = w.embed
-	} else {
-		var lm []float32
-		if hw != nil {
-			lm = hw.LMHead
-		}
-		if w.lmHead, err = mat(c.Vocab, c.Dim, lm); err != nil {
-			return err
-		}
+	} else if w.lmHead, err = mat(c.Vocab, c.Dim, m.LMHead); err != nil {
+		return err
 	}
 	inv := c.InvFreq()
 	if b.rope, err = b.alloc(uint64(len(inv)) * 8); err != nil {
@@ -173,6 +188,85 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 		return err
 	}
 	return b.stream.Launch(b.fn.ropeTable, cu.D1(blocks), cu.D1(256), 0, b.ropeTab, b.rope, int32(b.ropeN))
+}
+
+// uploadMoE uploads one MoE layer's router, experts and shared expert
+// through mat; h has no tensors with random weights.
+func (b *Backend) uploadMoE(c *model.Config, h *model.LayerTensors,
+	mat func(rows, cols int, parts ...*model.Tensor) (cu.DevicePtr, error)) (*devMoE, error) {
+	E, I, S := c.Experts, c.ExpertDim, c.SharedExpertDim
+	shared := c.Spec.MLP.SharedExpert
+	ex := func(i int) model.Expert {
+		if i < len(h.Experts) {
+			return h.Experts[i]
+		}
+		return model.Expert{}
+	}
+	var gu, down []*model.Tensor
+	for e := 0; e < E; e++ {
+		x := ex(e)
+		gu = append(gu, x.Gate, x.Up)
+		down = append(down, x.Down)
+	}
+	rows := E
+	router := []*model.Tensor{h.Router}
+	if shared {
+		rows++
+		router = append(router, h.SharedGate)
+	}
+	mw := &devMoE{}
+	var err error
+	if mw.router, err = mat(rows, c.Dim, router...); err != nil {
+		return nil, err
+	}
+	if mw.w13, err = mat(E*2*I, c.Dim, gu...); err != nil {
+		return nil, err
+	}
+	if mw.w2, err = mat(E*c.Dim, I, down...); err != nil {
+		return nil, err
+	}
+	if shared {
+		if mw.sw13, err = mat(2*S, c.Dim, h.Shared.Gate, h.Shared.Up); err != nil {
+			return nil, err
+		}
+		if mw.sw2, err = mat(c.Dim, S, h.Shared.Down); err != nil {
+			return nil, err
+		}
+	}
+	return mw, nil
+}
+
+// uploadTensor copies t's elements to p in T: as stored when t is already
+// in T, else converted through a bounded host buffer.
+func (b *Backend) uploadTensor(p cu.DevicePtr, t *model.Tensor) error {
+	if (b.bf16 && t.DType == model.BF16) || (!b.bf16 && t.DType == model.F32) {
+		if len(t.Data) != t.Numel()*t.DType.Size() {
+			return fmt.Errorf("%d bytes for %d elements of %v", len(t.Data), t.Numel(), t.DType)
+		}
+		return b.cx.MemcpyHtoD(p, t.Data)
+	}
+	const chunk = 1 << 22
+	n := t.Numel()
+	f := make([]float32, min(n, chunk))
+	var h []uint16
+	if b.bf16 {
+		h = make([]uint16, len(f))
+	}
+	for off := 0; off < n; off += chunk {
+		part := f[:min(chunk, n-off)]
+		t.ReadF32(part, off)
+		var err error
+		if b.bf16 {
+			toBF16(h[:len(part)], part)
+			err = b.cx.MemcpyHtoD(p+cu.DevicePtr(off*2), unsafe.Slice((*byte)(unsafe.Pointer(&h[0])), len(part)*2))
+		} else {
+			err = b.cx.MemcpyHtoD(p+cu.DevicePtr(off*4), unsafe.Slice((*byte)(unsafe.Pointer(&part[0])), len(part)*4))
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // fill runs a fill_random kernel over n elements at p.

@@ -1,0 +1,292 @@
+package cuda
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"testing"
+)
+
+// blocksEmu compiles testdata/blocks_emu.cpp with csrc/llama/blocks.cu for
+// a head dim and storage type; it skips without a C++ compiler (or off
+// x86-64).
+func blocksEmu(t *testing.T, headDim int, bf16 bool) string {
+	t.Helper()
+	if runtime.GOARCH != "amd64" {
+		t.Skip("the kernel emulation switches coroutines in x86-64 assembly")
+	}
+	cxx, err := exec.LookPath("g++")
+	if err != nil {
+		if cxx, err = exec.LookPath("clang++"); err != nil {
+			t.Skip("no C++ compiler for the kernel emulation")
+		}
+	}
+	src, _ := filepath.Abs("../../../csrc/llama/blocks.cu")
+	bin := filepath.Join(t.TempDir(), "blocks_emu")
+	bf := 0
+	if bf16 {
+		bf = 1
+	}
+	cmd := exec.Command(cxx, "-std=c++20", "-O0", "-ffp-contract=off", fmt.Sprintf("-DHEAD_DIM=%d", headDim),
+		fmt.Sprintf("-DUSE_BF16=%d", bf), `-DBLOCKS_CU="`+src+`"`, "-Itestdata", "testdata/blocks_emu.cpp", "-o", bin)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("building the kernel emulation: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// emuCall runs the emulation over the input in and reads n values of
+// type V from its output.
+func emuCall[V any](t *testing.T, bin string, in *bytes.Buffer, n int) []V {
+	t.Helper()
+	dir := t.TempDir()
+	ip, op := filepath.Join(dir, "in"), filepath.Join(dir, "out")
+	if err := os.WriteFile(ip, in.Bytes(), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(bin, ip, op).CombinedOutput(); err != nil {
+		t.Fatalf("emulation: %v\n%s", err, out)
+	}
+	b, err := os.ReadFile(op)
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := make([]V, n)
+	if err := binary.Read(bytes.NewReader(b), binary.LittleEndian, v); err != nil {
+		t.Fatalf("emulation output of %d bytes: %v", len(b), err)
+	}
+	return v
+}
+
+func put(t *testing.T, w *bytes.Buffer, v ...any) {
+	for _, x := range v {
+		if err := binary.Write(w, binary.LittleEndian, x); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func randF32(r *rand.Rand, n int, s float64) []float32 {
+	v := make([]float32, n)
+	for i := range v {
+		v[i] = float32(r.NormFloat64() * s)
+	}
+	return v
+}
+
+// TestBlockKernelsEmulated runs blocks.cu's kernels on the host (every
+// block, its threads as coroutines) against Go references: qk_norm (bias,
+// then RMSNorm of each q and k head with its weights; v heads the bias
+// only) for a head dim that is not a multiple of 32 and for 128, with and
+// without biases; moe_gather exactly; moe_combine with and without the
+// gated shared expert.
+func TestBlockKernelsEmulated(t *testing.T) {
+	for _, tc := range []struct {
+		hd   int
+		bf16 bool
+	}{{48, true}, {128, false}} {
+		t.Run(fmt.Sprintf("hd%d", tc.hd), func(t *testing.T) {
+			bin := blocksEmu(t, tc.hd, tc.bf16)
+			r := rand.New(rand.NewPCG(1, uint64(tc.hd)))
+			hd := tc.hd
+			for _, hb := range []int32{0, 1} {
+				const n, nh, nkv = 3, 4, 2
+				const eps = float32(1e-6)
+				W := (nh + 2*nkv) * hd
+				qkv, bias := randF32(r, n*W, 2), randF32(r, W, 0.5)
+				qw, kw := randF32(r, hd, 1), randF32(r, hd, 1)
+				var in bytes.Buffer
+				put(t, &in, int32(1), int32(n), int32(nh), int32(nkv), hb, eps, qkv, bias, qw, kw)
+				got := emuCall[float32](t, bin, &in, n*W)
+				for tk := 0; tk < n; tk++ {
+					for h := 0; h < nh+2*nkv; h++ {
+						x := make([]float64, hd)
+						ss := 0.0
+						for i := range x {
+							x[i] = float64(qkv[tk*W+h*hd+i])
+							if hb == 1 {
+								x[i] = float64(qkv[tk*W+h*hd+i] + bias[h*hd+i])
+							}
+							ss += x[i] * x[i]
+						}
+						sc := 1 / math.Sqrt(ss/float64(hd)+float64(eps))
+						for i := range x {
+							g := float64(got[tk*W+h*hd+i])
+							want := x[i]
+							switch {
+							case h < nh:
+								want = float64(qw[i]) * sc * x[i]
+							case h < nh+nkv:
+								want = float64(kw[i]) * sc * x[i]
+							}
+							if math.Abs(g-want) > 1e-5*(1+math.Abs(want)) {
+								t.Fatalf("qk_norm bias %d token %d head %d elem %d: %v, want %v", hb, tk, h, i, g, want)
+							}
+						}
+					}
+				}
+			}
+
+			// moe_gather: rows of T (bf16 bits or f32 bits), copied exactly.
+			const toks, dim, rows = 5, 72, 9
+			src := make([]int32, rows)
+			for i := range src {
+				src[i] = int32(r.IntN(toks))
+			}
+			var in bytes.Buffer
+			put(t, &in, int32(2), int32(rows), int32(toks), int32(dim), src)
+			if tc.bf16 {
+				xb := make([]uint16, toks*dim)
+				for i := range xb {
+					xb[i] = uint16(r.Uint32())
+				}
+				put(t, &in, xb)
+				got := emuCall[uint16](t, bin, &in, rows*dim)
+				for i := range rows {
+					for j := range dim {
+						if got[i*dim+j] != xb[int(src[i])*dim+j] {
+							t.Fatalf("moe_gather row %d elem %d: %#x, want %#x", i, j, got[i*dim+j], xb[int(src[i])*dim+j])
+						}
+					}
+				}
+			} else {
+				xb := randF32(r, toks*dim, 1)
+				put(t, &in, xb)
+				got := emuCall[float32](t, bin, &in, rows*dim)
+				for i := range rows {
+					for j := range dim {
+						if got[i*dim+j] != xb[int(src[i])*dim+j] {
+							t.Fatalf("moe_gather row %d elem %d: %v, want %v", i, j, got[i*dim+j], xb[int(src[i])*dim+j])
+						}
+					}
+				}
+			}
+
+			// moe_combine.
+			for _, hs := range []int32{0, 1} {
+				const n, k, gs = 4, 3, 5
+				x, ye := randF32(r, n*dim, 1), randF32(r, n*k*dim, 1)
+				row := r.Perm(n * k)
+				rows := make([]int32, n*k)
+				for i, v := range row {
+					rows[i] = int32(v)
+				}
+				w, sh, gate := randF32(r, n*k, 0.5), randF32(r, n*dim, 1), randF32(r, n*gs, 2)
+				var in bytes.Buffer
+				put(t, &in, int32(3), int32(n), int32(k), int32(dim), hs, int32(gs), x, ye, rows, w, sh, gate)
+				got := emuCall[float32](t, bin, &in, n*dim)
+				for tk := 0; tk < n; tk++ {
+					g := 1 / (1 + math.Exp(-float64(gate[tk*gs])))
+					for i := 0; i < dim; i++ {
+						o := 0.0
+						for j := 0; j < k; j++ {
+							o += float64(w[tk*k+j]) * float64(ye[int(rows[tk*k+j])*dim+i])
+						}
+						if hs == 1 {
+							o += g * float64(sh[tk*dim+i])
+						}
+						want := float64(x[tk*dim+i]) + o
+						if d := math.Abs(float64(got[tk*dim+i]) - want); d > 1e-5*(1+math.Abs(want)) {
+							t.Fatalf("moe_combine shared %d token %d elem %d: %v, want %v", hs, tk, i, got[tk*dim+i], want)
+						}
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestRoute checks the host routing against its definition: each token's
+// k highest logits of the first e (ties to the lower id), the softmax
+// probabilities over all e (renormalised or not), and the pairs sorted by
+// expert, in token order within an expert.
+func TestRoute(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	var rt router
+	for _, tc := range []struct {
+		n, e, k, stride int
+		norm            bool
+	}{{1, 8, 2, 8, true}, {7, 16, 4, 17, true}, {33, 8, 2, 9, false}, {5, 128, 8, 128, true}, {4, 4, 4, 4, false}} {
+		logits := randF32(r, tc.n*tc.stride, 1)
+		if tc.n > 4 {
+			// ties
+			logits[tc.stride+1] = logits[tc.stride+2]
+		}
+		nk := tc.n * tc.k
+		img := make([]int32, 3*nk)
+		counts := rt.route(logits, tc.n, tc.stride, tc.e, tc.k, tc.norm, img)
+		src, rows, wts := img[:nk], img[nk:2*nk], img[2*nk:]
+		total := 0
+		starts := make([]int, tc.e)
+		for x, c := range counts {
+			starts[x] = total
+			total += c
+		}
+		if total != nk {
+			t.Fatalf("%+v: counts sum to %d, want %d", tc, total, nk)
+		}
+		seen := make([]bool, nk)
+		for tk := 0; tk < tc.n; tk++ {
+			l := logits[tk*tc.stride : tk*tc.stride+tc.e]
+			order := make([]int, tc.e)
+			for i := range order {
+				order[i] = i
+			}
+			// stable selection: larger first, lower id on ties
+			for i := 0; i < tc.k; i++ {
+				for j := i + 1; j < tc.e; j++ {
+					if l[order[j]] > l[order[i]] || (l[order[j]] == l[order[i]] && order[j] < order[i]) {
+						order[i], order[j] = order[j], order[i]
+					}
+				}
+			}
+			mx := math.Inf(-1)
+			for _, v := range l {
+				mx = math.Max(mx, float64(v))
+			}
+			sum, sel := 0.0, 0.0
+			for _, v := range l {
+				sum += math.Exp(float64(v) - mx)
+			}
+			for j := 0; j < tc.k; j++ {
+				sel += math.Exp(float64(l[order[j]])-mx) / sum
+			}
+			for j := 0; j < tc.k; j++ {
+				p := tk*tc.k + j
+				row := int(rows[p])
+				if seen[row] {
+					t.Fatalf("%+v: row %d used twice", tc, row)
+				}
+				seen[row] = true
+				id := order[j]
+				if row < starts[id] || row >= starts[id]+counts[id] {
+					t.Fatalf("%+v: token %d rank %d (expert %d) in row %d, outside the expert's rows", tc, tk, j, id, row)
+				}
+				if int(src[row]) != tk {
+					t.Fatalf("%+v: row %d's source token %d, want %d", tc, row, src[row], tk)
+				}
+				want := math.Exp(float64(l[id])-mx) / sum
+				if tc.norm {
+					want /= sel
+				}
+				if g := float64(math.Float32frombits(uint32(wts[p]))); math.Abs(g-want) > 1e-6 {
+					t.Fatalf("%+v: token %d rank %d weight %v, want %v", tc, tk, j, g, want)
+				}
+			}
+		}
+		// Token order within each expert.
+		for x := range counts {
+			for q := starts[x] + 1; q < starts[x]+counts[x]; q++ {
+				if src[q] < src[q-1] {
+					t.Fatalf("%+v: expert %d's rows out of token order", tc, x)
+				}
+			}
+		}
+	}
+}

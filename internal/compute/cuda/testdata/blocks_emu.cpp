@@ -1,0 +1,80 @@
+// blocks_emu.cpp: runs csrc/llama/blocks.cu's kernels on the host through
+// cudaemu.h, for TestBlockKernelsEmulated (blocks_emu_test.go writes the
+// input and checks the output). Build:
+//   g++ -std=c++20 -O0 -ffp-contract=off -DHEAD_DIM=n -DUSE_BF16=0|1 \
+//       -DBLOCKS_CU='"path/to/blocks.cu"' blocks_emu.cpp
+// Input (little-endian int32 unless said), then output:
+//   qk_norm: n, heads, kv heads, has bias, eps (f32), qkv f32 [n][W], bias
+//            f32 [W], qw, kw f32 [HEAD_DIM]; out qkv.
+//   gather:  rows, tokens, dim, src [rows], xb T [tokens][dim]; out xe T [rows][dim].
+//   combine: n, k, dim, has shared, gstride, x f32 [n][dim], ye f32 [n*k][dim],
+//            row [n*k], w f32 [n*k], sh f32 [n][dim], gate f32 [n][gstride]; out x.
+#include "cudaemu.h"
+#include BLOCKS_CU
+
+#include <cstdio>
+#include <vector>
+
+static FILE *in, *out;
+static int rd() {
+	int v;
+	if (fread(&v, 4, 1, in) != 1) exit(2);
+	return v;
+}
+template <class V> static void rdv(std::vector<V> &v, size_t n) {
+	v.resize(n + 1);
+	if (n && fread(v.data(), sizeof(V), n, in) != n) exit(2);
+}
+template <class V> static void wrv(const std::vector<V> &v, size_t n) { fwrite(v.data(), sizeof(V), n, out); }
+
+int main(int argc, char **argv) {
+	if (argc != 3) return 2;
+	in = fopen(argv[1], "rb");
+	out = fopen(argv[2], "wb");
+	if (!in || !out) return 2;
+	for (;;) {
+		int op;
+		if (fread(&op, 4, 1, in) != 1) break;
+		if (op == 1) {
+			int n = rd(), nh = rd(), nkv = rd(), hb = rd();
+			float eps;
+			if (fread(&eps, 4, 1, in) != 1) return 2;
+			size_t W = (size_t)(nh + 2 * nkv) * HEAD_DIM;
+			std::vector<float> qkv, bias, qw, kw;
+			rdv(qkv, n * W);
+			rdv(bias, W);
+			rdv(qw, HEAD_DIM);
+			rdv(kw, HEAD_DIM);
+			emu_launch(qk_norm, {(unsigned)n, (unsigned)(nh + 2 * nkv), 1}, 32, qkv.data(),
+				   (const float *)(hb ? bias.data() : nullptr), (const float *)qw.data(), (const float *)kw.data(), nh,
+				   nkv, eps);
+			wrv(qkv, n * W);
+		} else if (op == 2) {
+			int rows = rd(), toks = rd(), dim = rd();
+			std::vector<int> src;
+			std::vector<T> xb, xe((size_t)rows * dim + 1);
+			rdv(src, rows);
+			rdv(xb, (size_t)toks * dim);
+			emu_launch(moe_gather, {(unsigned)rows, 1, 1}, 64, xe.data(), (const T *)xb.data(), (const int *)src.data(), dim);
+			wrv(xe, (size_t)rows * dim);
+		} else if (op == 3) {
+			int n = rd(), k = rd(), dim = rd(), hs = rd(), gs = rd();
+			std::vector<float> x, ye, w, sh, gate;
+			std::vector<int> row;
+			rdv(x, (size_t)n * dim);
+			rdv(ye, (size_t)n * k * dim);
+			rdv(row, (size_t)n * k);
+			rdv(w, (size_t)n * k);
+			rdv(sh, (size_t)n * dim);
+			rdv(gate, (size_t)n * gs);
+			emu_launch(moe_combine, {(unsigned)n, 1, 1}, 64, x.data(), (const float *)ye.data(), (const int *)row.data(),
+				   (const float *)w.data(), (const float *)(hs ? sh.data() : nullptr),
+				   (const float *)(hs ? gate.data() : nullptr), gs, k, dim);
+			wrv(x, (size_t)n * dim);
+		} else {
+			return 3;
+		}
+	}
+	fclose(out);
+	return 0;
+}
