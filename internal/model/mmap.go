@@ -5,7 +5,6 @@ import (
 	"os"
 	"runtime"
 	"sync"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -99,20 +98,4 @@ func swapped(data []byte, size int) []byte {
 		}
 	}
 	return out
-}
-
-// dropResident takes the whole pages inside b, a part of a shared file
-// mapping, out of the resident set (MADV_DONTNEED: they are read back from
-// the page cache if touched again). Best effort.
-func dropResident(b []byte) {
-	const page = 4096
-	if len(b) < 2*page {
-		return
-	}
-	p := uintptr(unsafe.Pointer(unsafe.SliceData(b)))
-	lo := int((page - p%page) % page)
-	hi := len(b) - int((p+uintptr(len(b)))%page)
-	if hi-lo >= page {
-		_ = unix.Madvise(b[lo:hi], unix.MADV_DONTNEED)
-	}
 }

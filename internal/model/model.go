@@ -111,10 +111,10 @@ func (m *Model) AsFloat32() (*Model, error) {
 }
 
 // Weights are a dense model's tensors as float32 host slices, row-major
-// [out][in] as HF stores them: the form the CUDA backend still uploads from
-// (Model.Float32Weights makes it). Projections map Dim to Heads*HeadDim (q),
-// KVHeads*HeadDim (k, v) and back (o); the feed-forward maps Dim to
-// HiddenDim (W1 gate, W3 up) and back (W2 down).
+// [out][in] as HF stores them (FromWeights makes a model of them).
+// Projections map Dim to Heads*HeadDim (q), KVHeads*HeadDim (k, v) and back
+// (o); the feed-forward maps Dim to HiddenDim (W1 gate, W3 up) and back (W2
+// down).
 type Weights struct {
 	Embed  []float32 // [Vocab][Dim]
 	Layers []Layer
@@ -132,48 +132,6 @@ type Layer struct {
 	FFNNorm    []float32 // [Dim]
 	W1, W3     []float32 // gate, up: [HiddenDim][Dim]
 	W2         []float32 // down: [Dim][HiddenDim]
-}
-
-// ErrNoFloat32Weights: the architecture has blocks the float32 Weights
-// cannot hold.
-var ErrNoFloat32Weights = errors.New("model: no float32 Weights for this architecture")
-
-// Float32Weights returns m's weights as float32 slices: views of F32
-// tensors, converted copies of the others. Only architectures made of the
-// Llama blocks (with q/k/v biases, without q/k norms, experts or a sliding
-// window) have this form; for the others it is ErrNoFloat32Weights. The
-// mapped pages of each converted tensor leave the resident set once it is
-// copied (they stay in the page cache, and are read again if used), so the
-// peak is the copies' size, not the copies' and the file's.
-func (m *Model) Float32Weights() (*Weights, error) {
-	c := &m.Config
-	if !m.HasWeights() {
-		return nil, fmt.Errorf("model: no weights")
-	}
-	if s := c.Spec; s == nil || s.Attention.QKNorm || s.MLP.MoE || c.SlidingWindow > 0 {
-		return nil, fmt.Errorf("%w: %s", ErrNoFloat32Weights, c.ArchName())
-	}
-	f := func(t *Tensor) []float32 {
-		if t == nil {
-			return nil
-		}
-		v := t.ToF32()
-		if t.DType != F32 && m.maps != nil {
-			dropResident(t.Data)
-		}
-		return v
-	}
-	w := &Weights{Embed: f(m.Embed), Norm: f(m.Norm), Layers: make([]Layer, len(m.Layers))}
-	for i, l := range m.Layers {
-		w.Layers[i] = Layer{AttnNorm: f(l.AttnNorm), WQ: f(l.Q), WK: f(l.K), WV: f(l.V), WO: f(l.O),
-			BQ: f(l.QBias), BK: f(l.KBias), BV: f(l.VBias), FFNNorm: f(l.MLPNorm), W1: f(l.Gate), W3: f(l.Up), W2: f(l.Down)}
-	}
-	if m.LMHead == m.Embed {
-		w.LMHead = w.Embed
-	} else {
-		w.LMHead = f(m.LMHead)
-	}
-	return w, nil
 }
 
 // FromWeights makes a model of c (a Llama-block architecture) from float32

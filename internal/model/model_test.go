@@ -1,10 +1,10 @@
 package model
 
 import (
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
@@ -233,45 +233,27 @@ func TestParseHFConfig(t *testing.T) {
 	}
 }
 
-// TestFloat32Weights: the float32 form of a bf16 model holds its widened
-// weights (the tied classifier once), and architectures it cannot hold are
-// refused.
-func TestFloat32Weights(t *testing.T) {
-	dir := t.TempDir()
-	if err := WriteRandom("tiny-qwen2", dir, 2, ""); err != nil {
-		t.Fatal(err)
-	}
-	m, err := Load(dir)
+// TestFromWeights: a model made from float32 slices shares them, and
+// weights for another layer count are refused.
+func TestFromWeights(t *testing.T) {
+	ref, err := NewRandom("tiny-qwen2", 2)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Close()
-	w, err := m.Float32Weights()
+	w := &Weights{Embed: ref.Embed.F32(), Norm: ref.Norm.F32(), LMHead: ref.LMHead.F32()}
+	for _, l := range ref.Layers {
+		w.Layers = append(w.Layers, Layer{AttnNorm: l.AttnNorm.F32(), WQ: l.Q.F32(), WK: l.K.F32(), WV: l.V.F32(), WO: l.O.F32(),
+			BQ: l.QBias.F32(), BK: l.KBias.F32(), BV: l.VBias.F32(), FFNNorm: l.MLPNorm.F32(), W1: l.Gate.F32(), W3: l.Up.F32(), W2: l.Down.F32()})
+	}
+	m, err := FromWeights(ref.Config, w)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ref, _ := NewRandom("tiny-qwen2", 2)
-	rw := ref.Layers[1].V.F32()
-	for i, v := range w.Layers[1].WV {
-		if v != RoundTo(BF16, rw[i]) {
-			t.Fatalf("WV[%d] = %v, want %v", i, v, RoundTo(BF16, rw[i]))
-		}
+	if &m.Layers[1].V.F32()[0] != &w.Layers[1].WV[0] || len(m.Layers[0].QBias.F32()) != ref.Config.Heads*ref.Config.HeadDim {
+		t.Fatal("the model does not share the weights, or lost the q bias")
 	}
-	if &w.LMHead[0] != &w.Embed[0] || len(w.Layers[0].BQ) != m.Config.Heads*m.Config.HeadDim {
-		t.Fatal("tied classifier or q bias wrong")
-	}
-	// Read again after the pages were dropped: the mapping still reads.
-	if got := m.Layers[1].V.ToF32(); got[7] != w.Layers[1].WV[7] {
-		t.Fatal("mapping unreadable after Float32Weights")
-	}
-	back, err := FromWeights(m.Config, w)
-	if err != nil || back.Layers[1].V.F32()[3] != w.Layers[1].WV[3] {
-		t.Fatalf("FromWeights: %v", err)
-	}
-	for _, name := range []string{"tiny-qwen3", "tiny-mixtral"} {
-		q, _ := NewRandom(name, 1)
-		if _, err := q.Float32Weights(); !errors.Is(err, ErrNoFloat32Weights) {
-			t.Errorf("%s: %v", name, err)
-		}
+	w.Layers = w.Layers[:1]
+	if _, err := FromWeights(ref.Config, w); err == nil || !strings.Contains(err.Error(), "weights for 1 layers") {
+		t.Fatalf("one layer's weights for %d layers: %v", ref.Config.Layers, err)
 	}
 }
