@@ -141,8 +141,9 @@ func TestSGLangFlagsRefused(t *testing.T) {
 	}{
 		{[]string{"--tp", "2"}, "--tp-size 2: tensor parallelism is not implemented"},
 		{[]string{"--tp-size", "16"}, "--tp-size 16"},
-		{[]string{"--dp-size", "8"}, "--dp-size 8: data-parallel replicas"},
-		{[]string{"--dp", "2"}, "--dp-size 2"},
+		{[]string{"--dp-size", "8", "--disaggregation-mode", "prefill"}, "--dp-size 8 with --disaggregation-mode prefill: data-parallel replicas run colocated only"},
+		{[]string{"--dp", "2", "--disaggregation-mode", "decode"}, "--dp-size 2 with --disaggregation-mode decode"},
+		{[]string{"--dp", "0"}, "--dp-size 0: want 1 to 64"},
 		{[]string{"--nnodes", "2"}, "--nnodes 2"},
 		{[]string{"--context-length", "-1"}, "--context-length"},
 		{[]string{"--context-length", "999999"}, "--context-length 999999 is beyond the model's context length"},

@@ -9,16 +9,19 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/disagg"
+	"github.com/mooncake-go/mooncake-go/internal/dp"
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
@@ -123,7 +126,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.tpSize, "tp", 1, "same as --tp-size")
 	fl.IntVar(&f.tpSize, "tensor-parallel-size", 1, "same as --tp-size")
 	_ = fl.MarkHidden("tensor-parallel-size")
-	fl.IntVar(&f.dpSize, "dp-size", 1, "data parallel replicas behind this server (only 1: run replicas as servers behind mooncake-go lb)")
+	fl.IntVar(&f.dpSize, "dp-size", 1, "data-parallel engine replicas behind this server (colocated only; each a share of --threads, or GPU --base-gpu-id+i)")
 	fl.IntVar(&f.dpSize, "dp", 1, "same as --dp-size")
 	fl.IntVar(&f.dpSize, "data-parallel-size", 1, "same as --dp-size")
 	_ = fl.MarkHidden("dp")
@@ -165,8 +168,11 @@ func (f *serveFlags) validate() error {
 	if f.tpSize != 1 {
 		return fmt.Errorf("--tp-size %d: tensor parallelism is not implemented yet (only 1); run one server per GPU (--base-gpu-id) behind mooncake-go lb", f.tpSize)
 	}
-	if f.dpSize != 1 {
-		return fmt.Errorf("--dp-size %d: data-parallel replicas behind one server are not implemented (only 1); run %d servers (one --base-gpu-id and --port each) behind mooncake-go lb", f.dpSize, max(f.dpSize, 2))
+	switch {
+	case f.dpSize < 1 || f.dpSize > 64:
+		return fmt.Errorf("--dp-size %d: want 1 to 64 replicas", f.dpSize)
+	case f.dpSize > 1 && f.mode != "null":
+		return fmt.Errorf("--dp-size %d with --disaggregation-mode %s: data-parallel replicas run colocated only; run %d %s servers (one --base-gpu-id and --port each) behind mooncake-go lb", f.dpSize, f.mode, f.dpSize, f.mode)
 	}
 	if f.nnodes != 1 {
 		return fmt.Errorf("--nnodes %d: multi-node tensor parallelism is not implemented (only 1)", f.nnodes)
@@ -399,16 +405,6 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(teClose.Close)
 
-	be, err := newBackend(ctx, f, m, te, lg)
-	if err != nil {
-		return err
-	}
-	st.add(func() error { be.shutdown(lg); return nil })
-	layout, ps := be.layout, be.layout.PageSize
-	var cache *kvcache.Radix
-	if !f.noRadixCache {
-		cache = kvcache.NewRadix(be.pages, ps)
-	}
 	ctxLen := m.Config.MaxSeqLen
 	if c := f.contextLength; c > 0 {
 		if ctxLen > 0 && c > ctxLen {
@@ -416,22 +412,74 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		}
 		ctxLen = c
 	}
-	eng, err := engine.New(engine.Config{
-		Model: be.model, Pages: be.pages, Cache: cache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
-		ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, MaxSeqLen: f.contextLength, DefaultSeed: f.seed, Logger: lg, Registerer: reg,
-	})
-	if err != nil {
-		return err
+	// One replica, or --dp-size of them (colocated only: validate), each
+	// with its own backend, KV pool, prefix cache and engine.
+	var (
+		be      *backend
+		cache   *kvcache.Radix
+		eng     *engine.Engine
+		engines []dp.Replica
+		pages   int
+	)
+	for i := range f.dpSize {
+		rf, rlg, rreg := f, lg, prometheus.Registerer(reg)
+		if f.dpSize > 1 {
+			c := *f
+			c.baseGPU = f.baseGPU + i // one GPU each
+			if c.threads = f.threads; c.threads == 0 {
+				c.threads = runtime.GOMAXPROCS(0)
+			}
+			c.threads = max(1, c.threads/f.dpSize) // a share of the CPU each
+			rf, rlg = &c, lg.With(zap.Int("dp_rank", i))
+			rreg = prometheus.WrapRegistererWith(prometheus.Labels{"dp_rank": strconv.Itoa(i)}, reg)
+		}
+		rbe, err := newBackend(ctx, rf, m, te, rlg)
+		if err != nil {
+			if f.dpSize > 1 {
+				return fmt.Errorf("--dp-size %d: replica %d: %w", f.dpSize, i, err)
+			}
+			return err
+		}
+		st.add(func() error { rbe.shutdown(rlg); return nil })
+		var rcache *kvcache.Radix
+		if !f.noRadixCache {
+			rcache = kvcache.NewRadix(rbe.pages, rbe.layout.PageSize)
+		}
+		reng, err := engine.New(engine.Config{
+			Model: rbe.model, Pages: rbe.pages, Cache: rcache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
+			ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, MaxSeqLen: f.contextLength, DefaultSeed: f.seed, Logger: rlg, Registerer: rreg,
+		})
+		if err != nil {
+			return err
+		}
+		engCtx, engCancel := context.WithCancel(context.Background())
+		engDone := make(chan error, 1)
+		go func() { engDone <- reng.Run(engCtx) }()
+		st.add(func() error { err := reng.Close(); engCancel(); <-engDone; return err })
+		if i == 0 {
+			be, cache, eng = rbe, rcache, reng
+		}
+		engines = append(engines, reng)
+		pages += rbe.layout.Pages
 	}
-	engCtx, engCancel := context.WithCancel(context.Background())
-	engDone := make(chan error, 1)
-	go func() { engDone <- eng.Run(engCtx) }()
-	st.add(func() error { err := eng.Close(); engCancel(); <-engDone; return err })
+	layout, ps := be.layout, be.layout.PageSize
+	var gen interface {
+		server.Generator
+		server.LoadReporter
+	} = eng
+	if f.dpSize > 1 {
+		set, err := dp.New(engines...)
+		if err != nil {
+			return err
+		}
+		gen = set
+		lg.Info("data-parallel replicas", zap.Int("dp_size", f.dpSize), zap.Int("kv_pages_each", layout.Pages))
+	}
 
 	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: be.dtype, Layout: layout,
 		Segment: te.Name(), PoolAddr: be.poolAddr, Incarnation: te.Incarnation()}
-	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": layout.Pages, "page_size": ps,
-		"device": be.device, "dtype": be.dtype}
+	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": pages, "page_size": ps,
+		"device": be.device, "dtype": be.dtype, "dp_size": f.dpSize}
 	var prepare func(ctx context.Context, req *engine.Request, b server.Bootstrap) error
 	switch f.mode {
 	case "prefill":
@@ -465,11 +513,11 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		}
 	}
 	srv, err := server.New(server.Config{
-		Generator: eng, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, TokenizerPath: cmp.Or(f.tokenizerPath, f.modelPath),
+		Generator: gen, Tokenizer: tok, ModelName: name, ModelPath: f.modelPath, TokenizerPath: cmp.Or(f.tokenizerPath, f.modelPath),
 		RandomWeights: m.Random, ContextLen: ctxLen, Mode: f.mode, ReadTimeout: f.readTimeout, Logger: lg, Gatherer: reg, Registerer: reg,
 		PrefixCache: cache != nil, PageSize: ps, ServerArgs: f.args, Version: version(), APIKey: f.apiKey,
 		Info: func() map[string]any {
-			s := eng.Stats()
+			s := gen.Stats()
 			out := map[string]any{"queued": s.Queued, "running": s.Running, "kv_pages_free": s.FreePages, "kv_pages_cached": s.CachedPages}
 			for k, v := range extra {
 				out[k] = v
@@ -485,7 +533,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	go logTransferRate(ctx, f.mc, reg, lg)
 	lg.Info("serving", zap.String("addr", httpLn.Addr().String()), zap.String("mode", f.mode), zap.String("model", name),
-		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
+		zap.String("segment", te.Name()), zap.Int("kv_pages", pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
 }

@@ -128,7 +128,7 @@ var compatFlags = []compatFlag{
 	{name: "dist-init-addr", kind: "value", why: whyNoDist},
 	{name: "nccl-init-addr", kind: "value", why: whyNoDist},
 	{name: "node-rank", kind: "value", why: whyNoDist, ok: []string{"0"}},
-	{name: "load-balance-method", kind: "value", why: "one replica per server (--dp-size 1): balance replicas with mooncake-go lb"},
+	{name: "load-balance-method", kind: "value", why: "--dp-size replicas are balanced by shortest queue (ties in turn); servers by mooncake-go lb's --policy"},
 	{name: "enable-dp-attention", kind: "bool", why: whyNoDist},
 	{name: "enable-dp-lm-head", kind: "bool", why: whyNoDist},
 	{name: "moe-dense-tp-size", kind: "value", why: whyNoMoE},

@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 )
@@ -190,12 +191,65 @@ func TestSGLangFlagsProcess(t *testing.T) {
 		want string
 	}{
 		{[]string{"--tp", "2"}, "tensor parallelism is not implemented"},
-		{[]string{"--dp-size", "2"}, "run 2 servers"},
+		{[]string{"--dp-size", "2", "--disaggregation-mode", "prefill"}, "run 2 prefill servers"},
 	} {
 		out, err := exec.Command(bin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()
 		if err == nil || !strings.Contains(string(out), c.want) || strings.Contains(string(out), "unknown flag") {
 			t.Errorf("serve %v: %v\n%s", c.args, err, out)
 		}
+	}
+}
+
+// TestDataParallel: --dp-size 2 runs two engine replicas behind one server:
+// concurrent requests reach both (each its dp_rank series), every answer is
+// the reference's greedy tokens, /get_server_info counts both pools, and
+// /flush_cache flushes both.
+func TestDataParallel(t *testing.T) {
+	shared := sharedDir(t)
+	modelPath := filepath.Join(shared, "models", "stories260K", "stories260K.bin")
+	port := freePort(t)
+	s := &server{url: "http://127.0.0.1:" + strconv.Itoa(port), proc: start(t, "serve", nil, bin, "serve", "--port", strconv.Itoa(port),
+		"--model-path", modelPath, "--dp-size", "2", "--threads", "2", "--max-total-tokens", "4096")}
+	s.waitHealthy(t, 30*time.Second)
+	prompt, want := reference(t, shared)
+	const maxNew = 16
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r, err := generate(context.Background(), s.url, map[string]any{"text": prompt,
+				"sampling_params": map[string]any{"temperature": 0, "max_new_tokens": maxNew}})
+			if err != nil || r.Status != 200 {
+				t.Errorf("generate: %v %d %s", err, r.Status, r.Raw)
+				return
+			}
+			if n := min(len(want), maxNew); !slices.Equal(r.IDs[:min(len(r.IDs), n)], want[:n]) {
+				t.Errorf("output_ids %v, reference %v", r.IDs, want[:n])
+			}
+		}()
+	}
+	wg.Wait()
+	var r0, r1 float64
+	for series, v := range s.metrics(t) {
+		switch {
+		case strings.HasPrefix(series, `mooncake_engine_requests_total{dp_rank="0"`):
+			r0 += v
+		case strings.HasPrefix(series, `mooncake_engine_requests_total{dp_rank="1"`):
+			r1 += v
+		}
+	}
+	t.Logf("replicas served %v and %v requests", r0, r1)
+	if r0 == 0 || r1 == 0 || r0+r1 != 8 {
+		t.Errorf("replicas served %v and %v of 8 requests, want both some", r0, r1)
+	}
+	info := s.info(t)
+	if info["dp_size"] != float64(2) || info["kv_pages_total"] != float64(2*4096/64) {
+		t.Errorf("get_server_info: dp_size %v, kv_pages_total %v (want 2 and %d)", info["dp_size"], info["kv_pages_total"], 2*4096/64)
+	}
+	st, body := postJSON(t, s.url+"/flush_cache", "")
+	if st != 200 || !strings.Contains(body, "freed_pages") {
+		t.Errorf("flush_cache: %d %s", st, body)
 	}
 }
 
