@@ -479,7 +479,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: be.dtype, Layout: layout,
 		Segment: te.Name(), PoolAddr: be.poolAddr, Incarnation: te.Incarnation()}
 	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": pages, "page_size": ps,
-		"device": be.device, "dtype": be.dtype, "dp_size": f.dpSize}
+		"device": be.device, "dtype": be.dtype}
 	var prepare func(ctx context.Context, req *engine.Request, b server.Bootstrap) error
 	switch f.mode {
 	case "prefill":
