@@ -2,7 +2,8 @@
 """PyTorch + transformers peer for the CUDA backend (issue 6).
 
 Loads an HF directory (e.g. written by `mooncake-go convert --random --config
-llama3-8b`) with transformers' LlamaForCausalLM in bf16 (SDPA, eager), then
+llama3-8b`, or qwen3-32b-8l, ...) with transformers' AutoModelForCausalLM in
+bf16 (SDPA, eager), then
 (a) writes the last-position logits of several seeded random prompts
     (token ids) to OUT/torch_logits.f32 (float32 LE, [prompts][vocab]) and
     OUT/torch_ref.json (prompts, vocab, timings), read by the Go test
@@ -17,7 +18,7 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def timed(fn, warm=1, reps=3):
@@ -47,7 +48,7 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    model = LlamaForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation="sdpa",
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, attn_implementation="sdpa",
                                              device_map="cuda")
     model.eval()
     torch.cuda.synchronize()

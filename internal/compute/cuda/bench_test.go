@@ -1,8 +1,10 @@
 package cuda
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -88,7 +90,8 @@ func TestBench8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
 		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
 	}
-	cfg, err := model.RandomConfig("llama3-8b")
+	shape := cmp.Or(os.Getenv("MOONCAKE_BENCH_SHAPE"), "llama3-8b")
+	cfg, err := model.RandomConfig(shape)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -102,7 +105,11 @@ func TestBench8B(t *testing.T) {
 		{"v2-cublas-decode", tuning{gemvMax: -1}},
 		{"v1", tuning{noV2: true, split: 256}},
 	} {
+		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {
+			continue
+		}
 		t.Run(v.name, func(t *testing.T) {
+			lines = append(lines, "shape "+shape)
 			lines = append(lines, "variant "+v.name+fmt.Sprintf(" %+v", v.tu))
 			lines = append(lines, bench8B(t, cfg, v.tu)...)
 		})
@@ -167,7 +174,20 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 		t.Log(s)
 	}
 	add("HBM read bandwidth: %.0f GB/s (4 GiB, median of 10)", bw/1e9)
-	nonEmbed := 2.0 * float64(cfg.Layers) * float64(cfg.Dim*(cfg.Heads*cfg.HeadDim+2*cfg.KVHeads*cfg.HeadDim)+cfg.Heads*cfg.HeadDim*cfg.Dim+3*cfg.Dim*cfg.HiddenDim)
+	// FLOPs a token costs outside attention: the projections and the MLP
+	// it runs (of an MoE layer: the router, its k experts, the shared one).
+	nonEmbed := 0.0
+	for i := range cfg.Layers {
+		mlp := 3 * cfg.Dim * cfg.HiddenDim
+		if cfg.MoELayer(i) {
+			mlp = cfg.Dim*cfg.Experts + cfg.TopK*3*cfg.Dim*cfg.ExpertDim + 3*cfg.Dim*cfg.SharedExpertDim
+		}
+		nonEmbed += 2 * float64(cfg.Dim*(cfg.Heads*cfg.HeadDim+2*cfg.KVHeads*cfg.HeadDim)+cfg.Heads*cfg.HeadDim*cfg.Dim+mlp)
+	}
+	peer := ""
+	if cfg.Experts == 0 && cfg.Dim == 4096 && cfg.Layers == 32 {
+		peer = "; PyTorch peer 31/125/262 ms at 1K/4K/8K"
+	}
 	for _, L := range []int{1024, 4096, 8192} {
 		seq := []compute.Seq{{Tokens: randPrompt(r, L, V), Pos: 0, Pages: pagesFor(0, pagesPer), Logits: true}}
 		d, err := median(func() error { return b.Forward(ctx, seq, out[:1]) }, 1, 3)
@@ -176,7 +196,7 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 		}
 		attn := 4 * float64(L) * float64(L) / 2 * float64(cfg.HeadDim*cfg.Heads*cfg.Layers)
 		fl := nonEmbed*float64(L) + attn
-		add("prefill %5d tokens: %8.2f ms  (%.0f TFLOP/s counted; PyTorch peer 31/125/262 ms at 1K/4K/8K)", L, ms(d), fl/d.Seconds()/1e12)
+		add("prefill %5d tokens: %8.2f ms  (%.0f TFLOP/s counted%s)", L, ms(d), fl/d.Seconds()/1e12, peer)
 	}
 	kvTok := float64(cfg.Layers * 2 * cfg.KVHeads * cfg.HeadDim * 2)
 	for i := 0; i < batch; i++ {
@@ -198,10 +218,11 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		floorAll := (float64(b.WeightBytes()) + float64(bs)*float64(ctxLen+1)*kvTok) / bw
-		floorNoEmb := (float64(b.WeightBytes()) - float64(cfg.Vocab*cfg.Dim*2) + float64(bs)*float64(ctxLen+1)*kvTok) / bw
-		add("decode batch %2d ctx %d: %6.2f ms/step with logits to host, %6.2f ms without; floor %.2f ms (weights %.2f GB + KV %.2f GB; %.2f ms without the embedding table) -> %.2fx / %.2fx of floor",
-			bs, ctxLen, ms(full), ms(dev), floorAll*1e3, float64(b.WeightBytes())/1e9, float64(bs)*float64(ctxLen+1)*kvTok/1e9,
+		wb := stepWeightBytes(cfg, b.WeightBytes(), b.eb, bs)
+		floorAll := (wb + float64(bs)*float64(ctxLen+1)*kvTok) / bw
+		floorNoEmb := (wb - float64(cfg.Vocab*cfg.Dim*2) + float64(bs)*float64(ctxLen+1)*kvTok) / bw
+		add("decode batch %2d ctx %d: %6.2f ms/step with logits to host, %6.2f ms without; floor %.2f ms (weights read %.2f GB + KV %.2f GB; %.2f ms without the embedding table) -> %.2fx / %.2fx of floor",
+			bs, ctxLen, ms(full), ms(dev), floorAll*1e3, wb/1e9, float64(bs)*float64(ctxLen+1)*kvTok/1e9,
 			floorNoEmb*1e3, full.Seconds()/floorAll, dev.Seconds()/floorAll)
 	}
 	return lines
@@ -228,11 +249,16 @@ func TestBenchGraph8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
 		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
 	}
-	cfg, err := model.RandomConfig("llama3-8b")
+	shape := cmp.Or(os.Getenv("MOONCAKE_BENCH_SHAPE"), "llama3-8b")
+	cfg, err := model.RandomConfig(shape)
 	if err != nil {
 		t.Fatal(err)
 	}
-	lines := []string{"llama3-8b bf16, random weights and KV; floor = weights + KV read once at the HBM read bandwidth of the same backend",
+	floorIs := "weights + KV"
+	if cfg.Experts > 0 {
+		floorIs = "the weights a step reads (attention, router, the experts its tokens choose: all k at batch 1, E(1-(1-k/E)^b) expected at batch b under uniform routing) + KV"
+	}
+	lines := []string{shape + " bf16, random weights and KV; floor = " + floorIs + " read once at the HBM read bandwidth of the same backend",
 		"| kernels | batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy | host sampling ms (gap us) | GPU sampling ms (x floor, gap us) | GPU greedy ms (gap us) |",
 		"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
 	for _, v := range []struct {
@@ -240,6 +266,9 @@ func TestBenchGraph8B(t *testing.T) {
 		tu   tuning
 	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
 		{"old", tuning{noFused: true, decodeV1: true}}} {
+		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {
+			continue
+		}
 		t.Run(v.name, func(t *testing.T) { lines = append(lines, benchGraph(t, cfg, v.name, v.tu, v.name == "new")...) })
 	}
 	for _, l := range lines {
@@ -319,7 +348,7 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSamp
 			t.Fatal(err)
 		}
 		st2 := b.StepTimes()
-		floor := (float64(b.WeightBytes()) + float64(c.bs)*float64(c.ctx+1)*kvTok) / bw
+		floor := (stepWeightBytes(cfg, b.WeightBytes(), b.eb, c.bs) + float64(c.bs)*float64(c.ctx+1)*kvTok) / bw
 		x := func(d time.Duration) float64 { return d.Seconds() / floor }
 		us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 		samp := " - | - | - |"
@@ -401,4 +430,24 @@ func benchSampling(t *testing.T, b *Backend, seqs []compute.Seq, out [][]float32
 	dev, devSt = timed(devStep(sp))
 	greedy, greedySt = timed(devStep(sampling.Params{}))
 	return
+}
+
+// stepWeightBytes is what a decode step of batch tokens reads of the
+// weights: all of a dense model's; of an MoE model's experts, those its
+// tokens choose (k at batch 1; E(1-(1-k/E)^batch) expected under uniform
+// routing, as random weights route).
+func stepWeightBytes(cfg model.Config, all int64, eb, batch int) float64 {
+	if cfg.Experts == 0 {
+		return float64(all)
+	}
+	moe := 0
+	for i := range cfg.Layers {
+		if cfg.MoELayer(i) {
+			moe++
+		}
+	}
+	e, k := float64(cfg.Experts), float64(cfg.TopK)
+	chosen := min(e, e*(1-math.Pow(1-k/e, float64(batch))))
+	per := 3 * float64(cfg.Dim) * float64(cfg.ExpertDim) * float64(eb)
+	return float64(all) - float64(moe)*(e-chosen)*per
 }
