@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -57,6 +58,9 @@ type serveFlags struct {
 	compat                        compatValues
 	args                          map[string]any // the flags by SGLang's names, for /get_server_args
 }
+
+// maxTP bounds --tp-size.
+const maxTP = 64
 
 // gpuOnlyFlags are serve's flags that only the cuda backend uses.
 var gpuOnlyFlags = []string{"base-gpu-id", "mem-fraction-static", "disable-cuda-graph", "cuda-graph-max-bs"}
@@ -119,7 +123,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	f.secretFlags.register(fl)
 	fl.DurationVar(&f.timeout, "transfer-timeout", 5*time.Second, "bound on one transfer batch")
 	fl.IntVar(&f.baseGPU, "base-gpu-id", 0, "first GPU to use")
-	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel size (only 1)")
+	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel ranks (cpu: ranks of this process sharing --threads; cuda: only 1)")
 	fl.IntVar(&f.tpSize, "tp", 1, "same as --tp-size")
 	fl.IntVar(&f.tpSize, "tensor-parallel-size", 1, "same as --tp-size")
 	_ = fl.MarkHidden("tensor-parallel-size")
@@ -162,8 +166,11 @@ func (f *serveFlags) validate() error {
 	default:
 		return fmt.Errorf("--disaggregation-mode %q: want null, prefill or decode", f.mode)
 	}
-	if f.tpSize != 1 {
-		return fmt.Errorf("--tp-size %d: tensor parallelism is not implemented yet (only 1); run one server per GPU (--base-gpu-id) behind mooncake-go lb", f.tpSize)
+	if f.tpSize < 1 || f.tpSize > maxTP {
+		return fmt.Errorf("--tp-size %d: want 1 to %d ranks", f.tpSize, maxTP)
+	}
+	if f.tpSize > 1 && f.device == "cuda" {
+		return errTPOnGPU(f.tpSize)
 	}
 	if f.dpSize != 1 {
 		return fmt.Errorf("--dp-size %d: data-parallel replicas behind one server are not implemented (only 1); run %d servers (one --base-gpu-id and --port each) behind mooncake-go lb", f.dpSize, max(f.dpSize, 2))
@@ -399,7 +406,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 	st.add(teClose.Close)
 
-	be, err := newBackend(ctx, f, m, te, lg)
+	be, err := newBackend(ctx, f, m, te, lg, reg)
 	if err != nil {
 		return err
 	}
@@ -429,15 +436,22 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	st.add(func() error { err := eng.Close(); engCancel(); <-engDone; return err })
 
 	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: be.dtype, Layout: layout,
-		Segment: te.Name(), PoolAddr: be.poolAddr, Incarnation: te.Incarnation()}
+		Segment: te.Name(), Incarnation: te.Incarnation()}
+	for r, s := range be.shards {
+		info.Ranks = append(info.Ranks, disagg.Rank{Segment: te.Name(), PoolAddr: be.addrs[r], Shard: s})
+	}
 	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": layout.Pages, "page_size": ps,
-		"device": be.device, "dtype": be.dtype}
+		"device": be.device, "dtype": be.dtype, "tp_size": be.tp}
 	var prepare func(ctx context.Context, req *engine.Request, b server.Bootstrap) error
 	switch f.mode {
 	case "prefill":
-		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
+		var xfer disagg.Transfer = te
+		if f.debugFault == "transfer" {
+			xfer = faultTransfer{te}
+		}
+		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: xfer, Info: info,
 			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait,
-			Secret: secret, Logger: lg, Registerer: reg, FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
+			Secret: secret, Logger: lg, Registerer: reg, PushByLayer: f.pushByLayer})
 		if err != nil {
 			return err
 		}
@@ -488,6 +502,19 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		zap.String("segment", te.Name()), zap.Int("kv_pages", layout.Pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
+}
+
+// faultTransfer is --debug-fault transfer: every KV write targets an
+// address far outside the decode's registered regions, so the transfer
+// engine refuses it for real.
+type faultTransfer struct{ *transfer.Engine }
+
+func (t faultTransfer) Transfer(ctx context.Context, reqs []transfer.Request) error {
+	bad := slices.Clone(reqs)
+	for i := range bad {
+		bad[i].Remote = 1 << 62
+	}
+	return t.Engine.Transfer(ctx, bad)
 }
 
 // secretFlags are never reported by /get_server_args.
