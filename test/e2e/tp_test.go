@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
 // tpFlags are the serve flags of the TP comparison: pages of 4 tokens and
@@ -117,4 +119,54 @@ func llama2cShape(t *testing.T, path string) (layers, kvHeads, headDim int) {
 		t.Fatal(err)
 	}
 	return int(h[2]), int(h[4]), int(h[0] / h[3])
+}
+
+// TestDisaggTPReplicated: shapes with 2 KV heads (a dense one and a MoE
+// one, seeded random weights), prefill at tp 2 and decode at tp 4, where
+// every KV head lives on two decode ranks: the colocated tp 1 tokens
+// exactly, and each KV byte moved once to each of the two ranks holding it.
+func TestDisaggTPReplicated(t *testing.T) {
+	for _, shape := range []string{"tiny", "tiny-qwen3-moe"} {
+		t.Run(shape, func(t *testing.T) {
+			cfg, err := model.RandomConfig(shape)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cfg.KVHeads != 2 {
+				t.Fatalf("%s has %d KV heads, want 2", shape, cfg.KVHeads)
+			}
+			args := []string{"--random-weights", shape, "--random-seed", "7", "--page-size", "4", "--chunked-prefill-size", "7",
+				"--max-total-tokens", "2048", "--disable-radix-cache"}
+			var ws []workload
+			for _, p := range []string{"Once upon a time", "The quick brown fox jumps over the lazy dog, twice.", "a b c d e f g h i j k"} {
+				ws = append(ws, workload{body: map[string]any{"text": p,
+					"sampling_params": map[string]any{"temperature": 0, "max_new_tokens": 6, "ignore_eos": true}}})
+			}
+			colo := serve(t, serveOpts{name: "colocated", args: args})
+			want := runAll(t, colo.url, ws, 3)
+			pages := 0
+			for _, w := range ws {
+				r, err := generate(t.Context(), colo.url, w.body)
+				mustOK(t, "colocated", r, err)
+				pages += (r.MetaInfo.PromptTokens + 3) / 4
+			}
+			colo.kill()
+			p := serve(t, serveOpts{name: "prefill-tp2", mode: "prefill", args: append(slices.Clone(args), "--tp-size", "2")})
+			d := serve(t, serveOpts{name: "decode-tp4", mode: "decode", args: append(slices.Clone(args), "--tp-size", "4")})
+			l := lb(t, "lb", []*server{p}, []*server{d})
+			got := runAll(t, l.url, ws, 3)
+			compare(t, shape+" prefill tp 2, decode tp 4", ws, want, got)
+			// Four decode ranks of one KV head each: twice the model's KV.
+			ideal := float64(pages * cfg.Layers * 2 * 4 * 4 * cfg.HeadDim * 4)
+			if v := d.metric(t, `mooncake_disagg_transfer_bytes_total{mode="decode"}`); v != ideal {
+				t.Errorf("decode received %v KV bytes, the ideal is %v", v, ideal)
+			}
+			if v := d.metric(t, "mooncake_engine_prefill_tokens_total"); v != 0 {
+				t.Errorf("decode computed %v prompt tokens", v)
+			}
+			for _, s := range []*server{p, d} {
+				s.waitFreePages(t, int(s.info(t)["kv_pages_total"].(float64)), 5*time.Second)
+			}
+		})
+	}
 }
