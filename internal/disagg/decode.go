@@ -313,6 +313,9 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			setState(Success)
 			d.m.wait.Observe(time.Since(waitStart).Seconds())
 			d.m.xferBytes.Add(float64(res.Bytes)) // what the prefill wrote into this server's pages
+			for r, b := range res.RankBytes {
+				d.m.rankBytes.WithLabelValues(strconv.Itoa(r)).Add(float64(b))
+			}
 			req.Preloaded = &engine.Preloaded{Table: table, FirstToken: tok, FirstLogprob: lp, FirstTop: top, CachedTokens: res.CachedTokens}
 			lg.Debug("kv in place", zap.Int("pages", prompt), zap.Int64("bytes", res.Bytes),
 				zap.Float64("transfer_seconds", res.TransferSeconds), zap.Duration("wait", time.Since(waitStart)))

@@ -188,8 +188,12 @@ func TestReshardTP(t *testing.T) {
 				}
 			}
 			var ideal int64
-			for _, rk := range ds.info.Ranks {
-				ideal += int64(rk.Layout.KVHeads) * 2 * 4 * int64(rk.Layout.HeadBytes()) * int64(cfg.Layers) * (prompt + 3) / 4
+			for r, rk := range ds.info.Ranks {
+				share := int64(rk.Layout.KVHeads) * 2 * 4 * int64(rk.Layout.HeadBytes()) * int64(cfg.Layers) * (prompt + 3) / 4
+				if got := counter(d.m.rankBytes.WithLabelValues(fmt.Sprint(r))); got != float64(share) {
+					t.Errorf("decode rank %d received %v KV bytes, its share is %d", r, got, share)
+				}
+				ideal += share
 			}
 			if got := counter(d.m.xferBytes); got != float64(ideal) {
 				t.Errorf("%v KV bytes moved, the ideal is %d", got, ideal)
