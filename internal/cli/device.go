@@ -116,6 +116,9 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 	if threads == 0 {
 		threads = runtime.GOMAXPROCS(0)
 	}
+	if threads < tp {
+		lg.Warn("fewer threads than tensor-parallel ranks: each rank gets one", zap.Int("threads", threads), zap.Int("tp_size", tp))
+	}
 	be, err := cpu.NewTP(m, pools, cpu.Options{Threads: threads, Logger: lg, Registerer: reg})
 	if err != nil {
 		b.shutdown(lg)
