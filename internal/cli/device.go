@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
@@ -37,21 +38,29 @@ func gpuPresent() (bool, string) {
 // registered block but sliding-window attention: cudabe.Supports).
 func cudaRuns(c model.Config) bool { return cudabe.Supports(c) == nil }
 
-// backend is the model backend serve runs on, with its KV pool registered
-// with the transfer engine.
+// backend is the model backend serve runs on, with its KV pools
+// registered with the transfer engine: one per tensor-parallel rank.
 type backend struct {
-	model    compute.Model
-	pages    *kvcache.Allocator
-	layout   kvcache.Layout
-	poolAddr uint64
-	dtype    string
-	device   string
-	close    []func() error
+	model  compute.Model
+	pages  *kvcache.Allocator // every rank's: a page index names the same positions on each
+	layout kvcache.Layout     // the ranks' pools seen as one of every KV head
+	shards []kvcache.Shard    // each rank's pool: its layout and first KV head
+	addrs  []uint64           // each rank's pool address
+	tp     int
+	dtype  string
+	device string
+	close  []func() error
+}
+
+// errTPOnGPU refuses --tp-size > 1 on the cuda backend.
+func errTPOnGPU(tp int) error {
+	return fmt.Errorf("--tp-size %d --device cuda: tensor parallelism on GPUs is not implemented yet (it needs the two-GPU work: "+
+		"NCCL refuses two ranks on one device); use --device cpu --tp-size %d, or one server per GPU (--base-gpu-id) behind mooncake-go lb", tp, tp)
 }
 
 // newBackend builds the cpu or cuda backend the flags ask for and registers
-// its KV pool with te.
-func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer.Engine, lg *zap.Logger) (*backend, error) {
+// its KV pools with te.
+func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer.Engine, lg *zap.Logger, reg prometheus.Registerer) (*backend, error) {
 	dev := f.device
 	if dev == "auto" {
 		if ok, _ := gpuPresent(); ok && cudaRuns(m.Config) {
@@ -60,7 +69,14 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 			dev = "cpu"
 		}
 	}
+	tp := f.tpSize
+	if err := m.Config.CheckTP(tp); err != nil {
+		return nil, fmt.Errorf("--tp-size %d: %w", tp, err)
+	}
 	if dev == "cuda" {
+		if tp > 1 {
+			return nil, errTPOnGPU(tp)
+		}
 		return newCUDABackend(ctx, f, m, te, lg)
 	}
 	if f.dtype == "bfloat16" {
@@ -71,31 +87,42 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 	if ps == 0 {
 		ps = 64
 	}
-	probe := cpu.LayoutFor(m.Config, ps, 1)
-	tokens := poolTokens(f.maxTotalTokens, int64(probe.TokenBytes())*2*int64(probe.Layers))
-	layout := cpu.LayoutFor(m.Config, ps, (tokens+ps-1)/ps)
-	mem, err := te.AllocHost(ctx, layout.TotalBytes(), 0, transfer.AccessReadWrite)
-	if err != nil {
-		return nil, fmt.Errorf("KV pool of %d bytes: %w", layout.TotalBytes(), err)
+	var tokenBytes int64 // K and V of one token, every layer, every rank
+	for _, s := range cpu.ShardsFor(m.Config, tp, ps, 1) {
+		tokenBytes += int64(s.Layout.TokenBytes()) * 2 * int64(s.Layout.Layers)
 	}
-	b := &backend{layout: layout, poolAddr: mem.Addr(), dtype: "float32", device: "cpu"}
-	b.close = append(b.close, func() error { return te.FreeHost(context.Background(), mem) })
-	pool, err := kvcache.NewPool(layout, mem.Bytes())
-	if err != nil {
-		b.shutdown(lg)
-		return nil, err
+	tokens := poolTokens(f.maxTotalTokens, tokenBytes)
+	pages := (tokens + ps - 1) / ps
+	b := &backend{layout: cpu.LayoutFor(m.Config, ps, pages), shards: cpu.ShardsFor(m.Config, tp, ps, pages), tp: tp,
+		dtype: "float32", device: "cpu", pages: kvcache.NewAllocator(pages)}
+	pools := make([]*kvcache.Pool, tp)
+	for r, s := range b.shards {
+		mem, err := te.AllocHost(ctx, s.Layout.TotalBytes(), 0, transfer.AccessReadWrite)
+		if err != nil {
+			b.shutdown(lg)
+			return nil, fmt.Errorf("KV pool of tp rank %d, %d bytes: %w", r, s.Layout.TotalBytes(), err)
+		}
+		b.close = append(b.close, func() error { return te.FreeHost(context.Background(), mem) })
+		b.addrs = append(b.addrs, mem.Addr())
+		if pools[r], err = kvcache.NewPoolShared(s.Layout, mem.Bytes(), b.pages); err != nil {
+			b.shutdown(lg)
+			return nil, err
+		}
 	}
 	threads := f.threads
 	if threads == 0 {
 		threads = runtime.GOMAXPROCS(0)
 	}
-	be, err := cpu.New(m, pool, threads)
+	if threads < tp {
+		lg.Warn("fewer threads than tensor-parallel ranks: each rank gets one", zap.Int("threads", threads), zap.Int("tp_size", tp))
+	}
+	be, err := cpu.NewTP(m, pools, cpu.Options{Threads: threads, Logger: lg, Registerer: reg})
 	if err != nil {
 		b.shutdown(lg)
 		return nil, err
 	}
 	b.close = append(b.close, be.Close)
-	b.model, b.pages = be, pool.Alloc
+	b.model = be
 	return b, nil
 }
 
@@ -112,8 +139,8 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	if err != nil {
 		return nil, fmt.Errorf("--device cuda (GPU %d): %w", f.baseGPU, err)
 	}
-	b := &backend{model: be, layout: be.Layout(), poolAddr: uint64(be.KVBase()), dtype: be.DType(),
-		device: fmt.Sprintf("cuda:%d", f.baseGPU)}
+	b := &backend{model: be, layout: be.Layout(), shards: []kvcache.Shard{{Layout: be.Layout()}}, addrs: []uint64{uint64(be.KVBase())},
+		tp: 1, dtype: be.DType(), device: fmt.Sprintf("cuda:%d", f.baseGPU)}
 	b.close = append(b.close, be.Close)
 	b.pages = kvcache.NewAllocator(b.layout.Pages)
 	loc := transfer.Location{Kind: transfer.CUDA, Index: f.baseGPU}

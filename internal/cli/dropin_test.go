@@ -139,8 +139,9 @@ func TestSGLangFlagsRefused(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--tp", "2"}, "--tp-size 2: tensor parallelism is not implemented"},
-		{[]string{"--tp-size", "16"}, "--tp-size 16"},
+		{[]string{"--tp", "3"}, "--tp-size 3: model: 8 attention heads do not split over 3 ranks"},
+		{[]string{"--tensor-parallel-size", "16"}, "--tp-size 16"},
+		{[]string{"--tp-size", "100"}, "--tp-size 100: want 1 to 64 ranks"},
 		{[]string{"--dp-size", "8", "--disaggregation-mode", "prefill"}, "--dp-size 8 with --disaggregation-mode prefill: data-parallel replicas run colocated only"},
 		{[]string{"--dp", "2", "--disaggregation-mode", "decode"}, "--dp-size 2 with --disaggregation-mode decode"},
 		{[]string{"--dp", "0"}, "--dp-size 0: want 1 to 64"},

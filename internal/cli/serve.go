@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -60,6 +61,9 @@ type serveFlags struct {
 	compat                        compatValues
 	args                          map[string]any // the flags by SGLang's names, for /get_server_args
 }
+
+// maxTP bounds --tp-size.
+const maxTP = 64
 
 // gpuOnlyFlags are serve's flags that only the cuda backend uses.
 var gpuOnlyFlags = []string{"base-gpu-id", "mem-fraction-static", "disable-cuda-graph", "cuda-graph-max-bs"}
@@ -122,7 +126,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	f.secretFlags.register(fl)
 	fl.DurationVar(&f.timeout, "transfer-timeout", 5*time.Second, "bound on one transfer batch")
 	fl.IntVar(&f.baseGPU, "base-gpu-id", 0, "first GPU to use")
-	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel size (only 1)")
+	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel ranks (cpu: ranks of this process sharing --threads; cuda: only 1)")
 	fl.IntVar(&f.tpSize, "tp", 1, "same as --tp-size")
 	fl.IntVar(&f.tpSize, "tensor-parallel-size", 1, "same as --tp-size")
 	_ = fl.MarkHidden("tensor-parallel-size")
@@ -165,8 +169,11 @@ func (f *serveFlags) validate() error {
 	default:
 		return fmt.Errorf("--disaggregation-mode %q: want null, prefill or decode", f.mode)
 	}
-	if f.tpSize != 1 {
-		return fmt.Errorf("--tp-size %d: tensor parallelism is not implemented yet (only 1); run one server per GPU (--base-gpu-id) behind mooncake-go lb", f.tpSize)
+	if f.tpSize < 1 || f.tpSize > maxTP {
+		return fmt.Errorf("--tp-size %d: want 1 to %d ranks", f.tpSize, maxTP)
+	}
+	if f.tpSize > 1 && f.device == "cuda" {
+		return errTPOnGPU(f.tpSize)
 	}
 	switch {
 	case f.dpSize < 1 || f.dpSize > 64:
@@ -433,7 +440,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			rf, rlg = &c, lg.With(zap.Int("dp_rank", i))
 			rreg = prometheus.WrapRegistererWith(prometheus.Labels{"dp_rank": strconv.Itoa(i)}, reg)
 		}
-		rbe, err := newBackend(ctx, rf, m, te, rlg)
+		rbe, err := newBackend(ctx, rf, m, te, rlg, rreg)
 		if err != nil {
 			if f.dpSize > 1 {
 				return fmt.Errorf("--dp-size %d: replica %d: %w", f.dpSize, i, err)
@@ -477,15 +484,22 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 	}
 
 	info := disagg.Info{Model: name, Fingerprint: fingerprint(m.Config), DType: be.dtype, Layout: layout,
-		Segment: te.Name(), PoolAddr: be.poolAddr, Incarnation: te.Incarnation()}
+		Segment: te.Name(), Incarnation: te.Incarnation()}
+	for r, s := range be.shards {
+		info.Ranks = append(info.Ranks, disagg.Rank{Segment: te.Name(), PoolAddr: be.addrs[r], Shard: s})
+	}
 	extra := map[string]any{"transfer_segment": te.Name(), "kv_pages_total": pages, "page_size": ps,
-		"device": be.device, "dtype": be.dtype}
+		"device": be.device, "dtype": be.dtype, "tp_size": be.tp}
 	var prepare func(ctx context.Context, req *engine.Request, b server.Bootstrap) error
 	switch f.mode {
 	case "prefill":
-		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: te, Info: info,
+		var xfer disagg.Transfer = te
+		if f.debugFault == "transfer" {
+			xfer = faultTransfer{te}
+		}
+		pf, err := disagg.NewPrefill(ctx, disagg.PrefillConfig{Transfer: xfer, Info: info,
 			Listen: net.JoinHostPort(f.host, strconv.Itoa(f.bootstrapPort)), Timeout: f.disaggTimeout, QueueWait: f.maxQueueWait,
-			Secret: secret, Logger: lg, Registerer: reg, FailTransfers: f.debugFault == "transfer", PushByLayer: f.pushByLayer})
+			Secret: secret, Logger: lg, Registerer: reg, PushByLayer: f.pushByLayer})
 		if err != nil {
 			return err
 		}
@@ -536,6 +550,19 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		zap.String("segment", te.Name()), zap.Int("kv_pages", pages), zap.Int("page_size", ps), zap.Any("info", extra["bootstrap_port"]))
 	fmt.Fprintf(out, "listening on %s\n", httpLn.Addr())
 	return srv.Serve(ctx, httpLn)
+}
+
+// faultTransfer is --debug-fault transfer: every KV write targets an
+// address far outside the decode's registered regions, so the transfer
+// engine refuses it for real.
+type faultTransfer struct{ *transfer.Engine }
+
+func (t faultTransfer) Transfer(ctx context.Context, reqs []transfer.Request) error {
+	bad := slices.Clone(reqs)
+	for i := range bad {
+		bad[i].Remote = 1 << 62
+	}
+	return t.Engine.Transfer(ctx, bad)
 }
 
 // secretFlags are never reported by /get_server_args.

@@ -15,7 +15,7 @@ type auxSlots struct {
 	free []int
 }
 
-func newAuxSlots(ctx context.Context, e *transfer.Engine, n int) (*auxSlots, error) {
+func newAuxSlots(ctx context.Context, e Transfer, n int) (*auxSlots, error) {
 	mem, err := e.AllocHost(ctx, int64(n*AuxSize), 0, transfer.AccessReadWrite)
 	if err != nil {
 		return nil, fmt.Errorf("disagg: aux buffer: %w", err)

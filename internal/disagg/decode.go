@@ -25,7 +25,7 @@ import (
 // DecodeConfig configures the decode side. Zero values mean the defaults
 // noted.
 type DecodeConfig struct {
-	Transfer *transfer.Engine
+	Transfer Transfer
 	Info     Info
 	Pages    *kvcache.Allocator
 	// PagesFor is how many pages a request needs in all (engine.KVPages):
@@ -78,6 +78,9 @@ type Decode struct {
 func NewDecode(ctx context.Context, cfg DecodeConfig) (*Decode, error) {
 	if cfg.Transfer == nil || cfg.Pages == nil {
 		return nil, errors.New("disagg: decode needs a transfer engine and a page allocator")
+	}
+	if err := cfg.Info.checkRanks(); err != nil {
+		return nil, fmt.Errorf("disagg: decode %w", err)
 	}
 	cfg.Info.AuxBytes = AuxSize
 	if cfg.Timeout == 0 {
@@ -297,6 +300,10 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 				releaseAll()
 				return roomErr(room, knownReason(res.Reason), fmt.Errorf("prefill %s failed the room: %s", boot, res.Error))
 			}
+			if err := d.checkShares(res, prompt-held/ps); err != nil {
+				releaseAll()
+				return roomErr(room, ReasonTransfer, fmt.Errorf("prefill %s: %w", boot, err))
+			}
 			r, tok, lp, top := decodeAux(d.aux.slot(slot))
 			if r != room {
 				releaseAll()
@@ -306,6 +313,9 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			setState(Success)
 			d.m.wait.Observe(time.Since(waitStart).Seconds())
 			d.m.xferBytes.Add(float64(res.Bytes)) // what the prefill wrote into this server's pages
+			for r, b := range res.RankBytes {
+				d.m.rankBytes.WithLabelValues(strconv.Itoa(r)).Add(float64(b))
+			}
 			req.Preloaded = &engine.Preloaded{Table: table, FirstToken: tok, FirstLogprob: lp, FirstTop: top, CachedTokens: res.CachedTokens}
 			lg.Debug("kv in place", zap.Int("pages", prompt), zap.Int64("bytes", res.Bytes),
 				zap.Float64("transfer_seconds", res.TransferSeconds), zap.Duration("wait", time.Since(waitStart)))
@@ -347,6 +357,23 @@ func (d *Decode) Prepare(ctx context.Context, req *engine.Request, host string, 
 			return why(ReasonCanceled, context.Cause(ctx))
 		}
 	}
+}
+
+// checkShares reports a decode rank that did not get its share of the
+// room's KV: each of its heads' K and V for each of the pages sent, in
+// every layer.
+func (d *Decode) checkShares(res Result, pages int) error {
+	ranks := d.cfg.Info.Ranks
+	if len(res.RankBytes) != len(ranks) {
+		return fmt.Errorf("the room's KV went to %d decode ranks, this server has %d", len(res.RankBytes), len(ranks))
+	}
+	for r, x := range ranks {
+		want := 2 * int64(x.Layout.PageBytes()) * int64(x.Layout.Layers) * int64(pages)
+		if res.RankBytes[r] != want {
+			return fmt.Errorf("decode rank %d got %d KV bytes, its share is %d", r, res.RankBytes[r], want)
+		}
+	}
+	return nil
 }
 
 // reserve takes every page req will need, waiting up to QueueWait: the

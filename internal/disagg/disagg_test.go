@@ -62,7 +62,7 @@ func newSide(t *testing.T, model string, lay kvcache.Layout, onNotify func(trans
 	}
 	s := &side{te: te, mem: mem, pool: pool, pages: kvcache.NewAllocator(lay.Pages),
 		info: Info{Model: model, Fingerprint: "test dim=32", DType: "float32", Layout: lay, Segment: te.Name(),
-			PoolAddr: mem.Addr(), Incarnation: te.Incarnation(), AuxBytes: AuxSize}}
+			Ranks: []Rank{{Segment: te.Name(), PoolAddr: mem.Addr(), Shard: kvcache.Shard{Layout: lay}}}, Incarnation: te.Incarnation(), AuxBytes: AuxSize}}
 	t.Cleanup(func() {
 		te.FreeHost(context.Background(), mem)
 		te.Close()
@@ -113,8 +113,12 @@ func newPD(t *testing.T, o pdOpts) *pd {
 		}
 	})
 	var err error
-	x.p, err = NewPrefill(context.Background(), PrefillConfig{Transfer: x.pre.te, Info: x.pre.info, Listen: "127.0.0.1:0",
-		Timeout: o.prefillTimeout, QueueWait: o.queueWait, AuxSlots: 8, FailTransfers: o.failTransfers, PushByLayer: o.pushByLayer,
+	var xfer Transfer = x.pre.te
+	if o.failTransfers {
+		xfer = outOfBounds{x.pre.te}
+	}
+	x.p, err = NewPrefill(context.Background(), PrefillConfig{Transfer: xfer, Info: x.pre.info, Listen: "127.0.0.1:0",
+		Timeout: o.prefillTimeout, QueueWait: o.queueWait, AuxSlots: 8, PushByLayer: o.pushByLayer,
 		Secret: testSecret})
 	if err != nil {
 		t.Fatal(err)
@@ -128,6 +132,18 @@ func newPD(t *testing.T, o pdOpts) *pd {
 	dec.Store(x.d)
 	t.Cleanup(func() { x.d.Close() })
 	return x
+}
+
+// outOfBounds is a transfer engine whose KV writes all aim far outside the
+// decode's registered regions: the real engine refuses them.
+type outOfBounds struct{ *transfer.Engine }
+
+func (t outOfBounds) Transfer(ctx context.Context, reqs []transfer.Request) error {
+	bad := slices.Clone(reqs)
+	for i := range bad {
+		bad[i].Remote = 1 << 62
+	}
+	return t.Engine.Transfer(ctx, bad)
 }
 
 // fill writes a pattern that names (page index in the prompt, layer, kind,
@@ -877,6 +893,7 @@ func TestUnreachableDecodeSegment(t *testing.T) {
 	gone := ln.Addr().String()
 	ln.Close()
 	x.d.cfg.Info.Segment = gone // what decode registers the room with
+	x.d.cfg.Info.Ranks[0].Segment = gone
 	ch := x.prepareDecode(context.Background(), &engine.Request{InputIDs: make([]int, 13)}, x.p.Port(), 12)
 	preq := &engine.Request{InputIDs: make([]int, 13)}
 	if err := x.p.Prepare(context.Background(), preq, 12); err != nil {

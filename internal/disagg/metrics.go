@@ -10,6 +10,7 @@ type metrics struct {
 	wait      prometheus.Histogram
 	xferSecs  prometheus.Histogram
 	xferBytes prometheus.Counter
+	rankBytes *prometheus.CounterVec // tp_rank: decode: what each of its ranks received
 	xferGBps  prometheus.Histogram
 	pushes    *prometheus.CounterVec // by: layer | pass
 	tail      prometheus.Histogram
@@ -46,6 +47,10 @@ func newMetrics(reg prometheus.Registerer, mode string) *metrics {
 			Name: "mooncake_disagg_transfer_bytes_total", Help: "KV bytes moved for disaggregated requests (prefill: pushed; decode: received, as the prefill reports them).",
 			ConstLabels: prometheus.Labels{"mode": mode},
 		}),
+		rankBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_disagg_rank_transfer_bytes_total", Help: "Decode: KV bytes each tensor-parallel rank's pool received, as the prefill reports them.",
+			ConstLabels: prometheus.Labels{"mode": mode},
+		}, []string{"tp_rank"}),
 		xferGBps: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "mooncake_disagg_transfer_gbps", Help: "Prefill: KV transfer rate per room (GB/s).",
 			Buckets: prometheus.ExponentialBuckets(0.01, 2, 16), ConstLabels: prometheus.Labels{"mode": mode},
@@ -64,7 +69,7 @@ func newMetrics(reg prometheus.Registerer, mode string) *metrics {
 		}),
 	}
 	if reg != nil {
-		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.xferGBps, m.pushes, m.tail, m.authFailures)
+		reg.MustRegister(m.requests, m.failures, m.rooms, m.bootstrap, m.wait, m.xferSecs, m.xferBytes, m.rankBytes, m.xferGBps, m.pushes, m.tail, m.authFailures)
 	}
 	return m
 }

@@ -70,7 +70,8 @@ func newModelSide(t *testing.T, m *model.Model, transport string, pages int, onN
 		be.Close()
 	})
 	return &modelSide{te: te, pool: pool, eng: eng, info: Info{Model: "m", Fingerprint: m.Config.ArchName(), DType: "float32",
-		Layout: lay, Segment: te.Name(), PoolAddr: mem.Addr(), Incarnation: te.Incarnation(), AuxBytes: AuxSize}}
+		Layout: lay, Segment: te.Name(), Ranks: []Rank{{Segment: te.Name(), PoolAddr: mem.Addr(), Shard: kvcache.Shard{Layout: lay}}},
+		Incarnation: te.Incarnation(), AuxBytes: AuxSize}}
 }
 
 // collect drains a request's events into its tokens.

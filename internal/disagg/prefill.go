@@ -27,7 +27,7 @@ import (
 // PrefillConfig configures the prefill side. Zero values mean the defaults
 // noted.
 type PrefillConfig struct {
-	Transfer *transfer.Engine
+	Transfer Transfer
 	Info     Info   // this server's model, KV layout, segment and pool address
 	Listen   string // bootstrap server address; port 0 picks a free port
 	// Timeout bounds each wait for the other half of a room: decode's
@@ -44,18 +44,11 @@ type PrefillConfig struct {
 	AuxSlots   int // staging slots for first tokens (default 4096)
 	Logger     *zap.Logger
 	Registerer prometheus.Registerer
-	// FailTransfers is fault injection for tests (serve --debug-fault
-	// transfer): every KV transfer targets an address outside the decode's
-	// registered regions, so the transfer engine refuses it for real.
-	FailTransfers bool
 	// PushByLayer pushes each layer's pages as soon as the backend reports
 	// the layer written, overlapping the push with the rest of the pass,
 	// instead of after each chunk's pass.
 	PushByLayer bool
 }
-
-// faultRemote is where FailTransfers aims: far above any mapping.
-const faultRemote = 1 << 62
 
 // Prefill is the prefill side: the bootstrap server and the KV pushes.
 type Prefill struct {
@@ -65,6 +58,9 @@ type Prefill struct {
 	ln  net.Listener
 	srv *http.Server
 	aux *auxSlots
+
+	plansMu sync.Mutex
+	plans   map[string]*kvcache.Plan // by kvcache.PlanKey of (these ranks, a decode's)
 
 	mu     sync.Mutex
 	rooms  map[uint64]*proom
@@ -79,6 +75,9 @@ type Prefill struct {
 func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 	if cfg.Transfer == nil {
 		return nil, errors.New("disagg: prefill needs a transfer engine")
+	}
+	if err := cfg.Info.checkRanks(); err != nil {
+		return nil, fmt.Errorf("disagg: prefill %w", err)
 	}
 	cfg.Info.AuxBytes = AuxSize
 	if cfg.Timeout == 0 {
@@ -104,7 +103,7 @@ func NewPrefill(ctx context.Context, cfg PrefillConfig) (*Prefill, error) {
 		return nil, err
 	}
 	p := &Prefill{cfg: cfg, lg: lg.Named("disagg.prefill"), m: newMetrics(cfg.Registerer, "prefill"), ln: ln, aux: aux,
-		rooms: map[uint64]*proom{}, failed: map[uint64]tomb{}}
+		rooms: map[uint64]*proom{}, failed: map[uint64]tomb{}, plans: map[string]*kvcache.Plan{}}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /bootstrap/info", p.authed(func(*http.Request, []byte) (int, any) { return 200, p.cfg.Info }))
@@ -161,6 +160,31 @@ func (p *Prefill) Close() error {
 		return errors.Join(err, fmt.Errorf("disagg: %d prefill rooms still open after %v", n, closeBound))
 	}
 	return errors.Join(err, p.cfg.Transfer.FreeHost(context.Background(), p.aux.mem))
+}
+
+// maxPlans bounds the plan cache: decode rank lists of different layouts.
+const maxPlans = 64
+
+// plan is the reshard plan of this server's ranks onto dec's, made once per
+// pair of layouts.
+func (p *Prefill) plan(dec Info) (*kvcache.Plan, error) {
+	src, dst := p.cfg.Info.Shards(), dec.Shards()
+	k := kvcache.PlanKey(src, dst)
+	p.plansMu.Lock()
+	defer p.plansMu.Unlock()
+	if pl := p.plans[k]; pl != nil {
+		return pl, nil
+	}
+	pl, err := kvcache.NewPlan(src, dst)
+	if err != nil {
+		return nil, fmt.Errorf("reshard onto the decode's ranks: %w", err)
+	}
+	if len(p.plans) >= maxPlans {
+		clear(p.plans)
+	}
+	p.plans[k] = pl
+	p.lg.Info("reshard plan", zap.Int("prefill_ranks", len(src)), zap.Int("decode_ranks", len(dst)), zap.Int("moves", len(pl.Moves)))
+	return pl, nil
 }
 
 // room returns the room, creating it (and its worker) if needed.
@@ -417,6 +441,7 @@ type proom struct {
 	layerSent  []int
 	cached     int // prompt tokens the engine took from its prefix cache
 	bytes      int64
+	rankBytes  []int64 // by decode rank
 	xfer       time.Duration
 }
 
@@ -661,13 +686,26 @@ func (r *proom) push() error {
 	}
 	r.mu.Unlock()
 	p := r.p
-	lay := p.cfg.Info.Layout
-	// Runs of several pages go as requests of their own; single pages (a
-	// fragmented pool) as one page-list request.
-	pb := int64(lay.PageBytes())
-	var runs []kvcache.Pair
-	var single []transfer.PageOffset
+	plan, err := p.plan(dst.Decode)
+	if err != nil {
+		return roomErr(r.id, ReasonMismatch, err)
+	}
+	src, dranks := p.cfg.Info.Ranks, dst.Decode.Ranks
+	// The copies of every move, grouped by source rank, destination rank
+	// and length: each group one page-list request (one check, one task).
+	type key struct {
+		src, dst int
+		len      int64
+	}
+	type group struct {
+		key
+		pairs []kvcache.Pair
+	}
+	var groups []group
+	index := map[key]int{}
+	rankBytes := make([]int64, len(dranks))
 	var n int64
+	var pairs []kvcache.Pair
 	for _, sp := range spans {
 		if sp.upto > len(dst.Pages) {
 			return fmt.Errorf("decode reserved %d pages, prompt needs %d", len(dst.Pages), sp.upto)
@@ -677,40 +715,62 @@ func (r *proom) push() error {
 				return fmt.Errorf("waiting for layer %d's KV: %w", sp.layer, err)
 			}
 		}
-		plan, err := kvcache.NewPlan([]kvcache.Shard{{Layout: lay}}, []kvcache.Shard{{Layout: dst.Decode.Layout}})
-		if err != nil {
-			return err
-		}
-		pairs := plan.Moves[0].Pairs(nil, sp.layer, lay, pages[sp.from:sp.upto], dst.Decode.Layout, dst.Pages[sp.from:sp.upto])
-		for _, pr := range pairs {
-			n += pr.Len
-			if pr.Len == pb {
-				single = append(single, transfer.PageOffset{Local: uint64(pr.Src), Remote: uint64(pr.Dst)})
-			} else {
-				runs = append(runs, pr)
+		for i := range plan.Moves {
+			mv := &plan.Moves[i]
+			pairs = mv.Pairs(pairs[:0], sp.layer, src[mv.Src].Layout, pages[sp.from:sp.upto], dranks[mv.Dst].Layout, dst.Pages[sp.from:sp.upto])
+			for _, pr := range pairs {
+				k := key{mv.Src, mv.Dst, pr.Len}
+				g, ok := index[k]
+				if !ok {
+					g = len(groups)
+					index[k] = g
+					groups = append(groups, group{key: k})
+				}
+				groups[g].pairs = append(groups[g].pairs, pr)
+				rankBytes[mv.Dst] += pr.Len
+				n += pr.Len
 			}
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), p.cfg.Transfer.Timeout()+time.Second)
 	defer cancel()
-	seg, err := p.cfg.Transfer.OpenSegmentCached(ctx, dst.Decode.Segment)
-	if err != nil {
-		return fmt.Errorf("open decode segment %s: %w", dst.Decode.Segment, err)
+	segs := map[string]transfer.SegmentID{}
+	open := func(name string) (transfer.SegmentID, error) {
+		if id, ok := segs[name]; ok {
+			return id, nil
+		}
+		id, err := p.cfg.Transfer.OpenSegmentCached(ctx, name)
+		if err != nil {
+			return id, fmt.Errorf("open decode segment %s: %w", name, err)
+		}
+		segs[name] = id
+		return id, nil
 	}
-	remote := dst.Decode.PoolAddr
-	if p.cfg.FailTransfers {
-		remote = faultRemote
-	}
-	reqs := make([]transfer.Request, 0, len(runs)+2)
-	for _, pr := range runs {
-		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr + uint64(pr.Src)),
-			Len: uint64(pr.Len), Segment: seg, Remote: remote + uint64(pr.Dst)})
-	}
-	if len(single) > 0 {
-		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(p.cfg.Info.PoolAddr), Len: uint64(pb),
-			Segment: seg, Remote: remote, Pages: single})
+	reqs := make([]transfer.Request, 0, len(groups)+1)
+	for _, g := range groups {
+		seg, err := open(dranks[g.dst].Segment)
+		if err != nil {
+			return err
+		}
+		local, remote := p.cfg.Info.Ranks[g.src].PoolAddr, dranks[g.dst].PoolAddr
+		if len(g.pairs) == 1 {
+			pr := g.pairs[0]
+			reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(local + uint64(pr.Src)), Len: uint64(pr.Len),
+				Segment: seg, Remote: remote + uint64(pr.Dst)})
+			continue
+		}
+		offs := make([]transfer.PageOffset, len(g.pairs))
+		for i, pr := range g.pairs {
+			offs[i] = transfer.PageOffset{Local: uint64(pr.Src), Remote: uint64(pr.Dst)}
+		}
+		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(local), Len: uint64(g.len), Segment: seg, Remote: remote, Pages: offs})
 	}
 	if sendAux {
+		// The first token goes once, from the prefill's aux slot.
+		seg, err := open(dst.Decode.Segment)
+		if err != nil {
+			return err
+		}
 		slot, err := p.aux.get()
 		if err != nil {
 			return err
@@ -731,6 +791,12 @@ func (r *proom) push() error {
 	}
 	r.auxSent = r.auxSent || sendAux
 	r.bytes += n
+	if r.rankBytes == nil {
+		r.rankBytes = make([]int64, len(rankBytes))
+	}
+	for d, b := range rankBytes {
+		r.rankBytes[d] += b
+	}
 	r.xfer += el
 	r.mu.Unlock()
 	p.m.xferBytes.Add(float64(n))
@@ -752,7 +818,7 @@ func (r *proom) push() error {
 func (r *proom) finish() {
 	p := r.p
 	r.mu.Lock()
-	dst, release, bytes, xfer, doneAt, cached := r.dst, r.release, r.bytes, r.xfer, r.doneAt, r.cached
+	dst, release, bytes, xfer, doneAt, cached, rankBytes := r.dst, r.release, r.bytes, r.xfer, r.doneAt, r.cached, r.rankBytes
 	var err error
 	if r.err == nil {
 		r.setState(Success)
@@ -761,7 +827,7 @@ func (r *proom) finish() {
 		err = r.err
 	}
 	r.mu.Unlock()
-	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, TransferSeconds: xfer.Seconds(), CachedTokens: cached}
+	res := Result{Room: r.id, OK: err == nil, Bytes: bytes, RankBytes: rankBytes, TransferSeconds: xfer.Seconds(), CachedTokens: cached}
 	if err != nil {
 		res.Error, res.Reason = err.Error(), reasonOf(err, ReasonTransfer)
 	}

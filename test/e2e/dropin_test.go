@@ -190,10 +190,13 @@ func TestSGLangFlagsProcess(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"--tp", "2"}, "tensor parallelism is not implemented"},
+		{[]string{"--tp", "3"}, "8 attention heads do not split over 3 ranks"},
+		{[]string{"--tp", "2", "--device", "cuda"}, "tensor parallelism on GPUs is not implemented"},
 		{[]string{"--dp-size", "2", "--disaggregation-mode", "prefill"}, "run 2 prefill servers"},
 	} {
-		out, err := exec.Command(bin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // a serve that starts instead runs until killed
+		out, err := exec.CommandContext(ctx, bin, append([]string{"serve", "--port", "0"}, c.args...)...).CombinedOutput()
+		cancel()
 		if err == nil || !strings.Contains(string(out), c.want) || strings.Contains(string(out), "unknown flag") {
 			t.Errorf("serve %v: %v\n%s", c.args, err, out)
 		}
