@@ -401,13 +401,16 @@ func (t *Transport) Close() error {
 	t.closed = true
 	peers := t.peers
 	t.peers = map[string]*peer{}
-	served := t.served
+	var served []net.Conn
+	for c := range t.served {
+		served = append(served, c)
+	}
 	t.mu.Unlock()
 	t.cancel()
 	for _, p := range peers {
 		p.retire(t)
 	}
-	for c := range served {
+	for _, c := range served {
 		c.Close()
 	}
 	t.wg.Wait()

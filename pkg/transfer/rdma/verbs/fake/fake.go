@@ -104,7 +104,54 @@ type HCA struct {
 	failNth  int // WRs to let through before one fails (-1: none)
 	failWith verbs.Status
 	errAfter int // WRs to let through before the posting QP goes to ERR (-1: none)
+	stall    bool
 	posted   int
+}
+
+// Stall holds every request posted from now on without executing it (a
+// hung HCA or a lost packet); moving its QP to ERR or destroying it flushes
+// the held requests. Stall(false) executes them.
+func (d *HCA) Stall(on bool) {
+	d.mu.Lock()
+	d.stall = on
+	var qps []*qp
+	if !on {
+		for _, q := range d.qps {
+			qps = append(qps, q)
+		}
+	}
+	d.mu.Unlock()
+	for _, q := range qps {
+		q.mu.Lock()
+		held := q.held
+		q.held = nil
+		q.mu.Unlock()
+		for _, w := range held {
+			q.run(w)
+		}
+	}
+}
+
+// OverrunCQs makes every CQ of the device overflow now: polls fail and
+// their QPs go to ERR (what a CQ too small for its QPs does).
+func (d *HCA) OverrunCQs() {
+	d.mu.Lock()
+	cqs := map[*cq]bool{}
+	for _, q := range d.qps {
+		cqs[q.cq] = true
+	}
+	d.mu.Unlock()
+	for c := range cqs {
+		c.mu.Lock()
+		c.overrun = true
+		qps := c.qps
+		c.mu.Unlock()
+		for _, q := range qps {
+			q.mu.Lock()
+			q.state = verbs.QPError
+			q.mu.Unlock()
+		}
+	}
 }
 
 // FailNth makes the work request posted n requests from now (0: the next)
@@ -348,7 +395,8 @@ type qp struct {
 	access   verbs.Access
 	remote   verbs.Remote
 	closed   bool
-	inflight int // requests posted and not yet completed (they complete at once)
+	inflight int            // requests posted whose completion was not polled yet
+	held     []verbs.SendWR // requests held by Stall
 }
 
 func (q *qp) Num() uint32 { return q.num }
@@ -398,11 +446,17 @@ func (q *qp) ReadyToSend(psn uint32) error {
 
 func (q *qp) Fail() error {
 	q.mu.Lock()
-	defer q.mu.Unlock()
 	if q.closed {
+		q.mu.Unlock()
 		return fmt.Errorf("fake %s: QP %#x destroyed", q.d.name, q.num)
 	}
 	q.state = verbs.QPError
+	held := q.held
+	q.held = nil
+	q.mu.Unlock()
+	for _, w := range held {
+		q.run(w)
+	}
 	return nil
 }
 
@@ -414,6 +468,7 @@ func (q *qp) Close() error {
 	}
 	q.closed = true
 	q.state = verbs.QPError
+	q.held = nil // destroyed: no completion for them
 	q.mu.Unlock()
 	q.d.mu.Lock()
 	delete(q.d.qps, q.num)
@@ -468,13 +523,33 @@ func (q *qp) execute(w verbs.SendWR) {
 		}
 		d.errAfter--
 	}
-	down := d.down
+	down, stall := d.down, d.stall
 	d.mu.Unlock()
 
 	q.mu.Lock()
 	if errNow {
 		q.state = verbs.QPError
 	}
+	if stall && q.state == verbs.QPRTS {
+		q.held = append(q.held, w)
+		q.mu.Unlock()
+		return
+	}
+	q.mu.Unlock()
+	q.complete(w, fail, down)
+}
+
+// run executes a request Stall held.
+func (q *qp) run(w verbs.SendWR) {
+	q.d.mu.Lock()
+	down := q.d.down
+	q.d.mu.Unlock()
+	q.complete(w, verbs.StatusSuccess, down)
+}
+
+// complete executes w (or flushes it, in ERR) and queues its completion.
+func (q *qp) complete(w verbs.SendWR, fail verbs.Status, down bool) {
+	q.mu.Lock()
 	state, remote := q.state, q.remote
 	q.mu.Unlock()
 	st := verbs.StatusFlushErr
