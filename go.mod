@@ -3,6 +3,7 @@ module github.com/mooncake-go/mooncake-go
 go 1.26.0
 
 require (
+	github.com/Mellanox/rdmamap v1.1.0
 	github.com/NVIDIA/go-nvml v0.13.4-1
 	github.com/ardanlabs/jinja v1.8.0
 	github.com/getkin/kin-openapi v0.153.0
@@ -25,7 +26,6 @@ require (
 )
 
 require (
-	github.com/Mellanox/rdmamap v1.1.0 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
