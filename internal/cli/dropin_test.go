@@ -52,7 +52,7 @@ var sglangLaunchFlags = []struct {
 	// PD disaggregation guide (Mooncake, Llama single node and DeepSeek multi-node).
 	{[]string{"--model-path", "/nonexistent/for-the-test"}, false},
 	{[]string{"--disaggregation-mode", "prefill"}, false},
-	{[]string{"--disaggregation-ib-device", "mlx5_roce0"}, true},
+	{[]string{"--disaggregation-ib-device", "mlx5_roce0"}, false}, // used by rdma; a missing device is warned after --port is checked
 	{[]string{"--base-gpu-id", "1"}, false},
 	{[]string{"--host", "127.0.0.1"}, false},
 	{[]string{"--trust-remote-code"}, true},
