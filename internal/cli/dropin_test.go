@@ -232,25 +232,25 @@ func TestMooncakeEnv(t *testing.T) {
 	}
 	// The transports follow them.
 	tf := &transferFlags{backend: "shm", mc: mcEnv{forceTCP: true}}
-	if ts, err := tf.transports("--x", nil); err != nil || len(ts) != 1 || ts[0].Name() != "tcp" {
+	if ts, err := tf.transports("--x", nil, nil); err != nil || len(ts) != 1 || ts[0].Name() != "tcp" {
 		t.Errorf("MC_FORCE_TCP: %v %v", ts, err)
 	}
 	tf = &transferFlags{mc: mcEnv{forceHCA: true}}
-	if _, err := tf.transports("--x", nil); err == nil || !strings.Contains(err.Error(), "MC_FORCE_HCA") {
+	if _, err := tf.transports("--x", nil, nil); err == nil || !strings.Contains(err.Error(), "MC_FORCE_HCA") {
 		t.Errorf("MC_FORCE_HCA: %v", err)
 	}
 	if ok, _ := gpuPresent(); !ok {
 		tf = &transferFlags{mc: mcEnv{intraNVLink: true, intraName: "MC_INTRANODE_NVLINK"}}
-		if _, err := tf.transports("--x", nil); err == nil || !strings.Contains(err.Error(), "MC_INTRANODE_NVLINK") {
+		if _, err := tf.transports("--x", nil, nil); err == nil || !strings.Contains(err.Error(), "MC_INTRANODE_NVLINK") {
 			t.Errorf("MC_INTRANODE_NVLINK without a GPU: %v", err)
 		}
 		tf = &transferFlags{mc: mcEnv{forceMNNVL: true}}
-		if _, err := tf.transports("--x", nil); err == nil || !strings.Contains(err.Error(), "MC_FORCE_MNNVL") {
+		if _, err := tf.transports("--x", nil, nil); err == nil || !strings.Contains(err.Error(), "MC_FORCE_MNNVL") {
 			t.Errorf("MC_FORCE_MNNVL without a GPU: %v", err)
 		}
 	}
 	for _, b := range []string{"mooncake", "auto"} {
-		if ts, err := (&transferFlags{backend: b}).transports("--x", nil); err != nil || len(ts) < 2 {
+		if ts, err := (&transferFlags{backend: b}).transports("--x", nil, nil); err != nil || len(ts) < 2 {
 			t.Errorf("backend %s: %v %v", b, ts, err)
 		}
 	}

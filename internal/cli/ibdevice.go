@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/ibv"
@@ -102,7 +103,7 @@ var errNoRDMA = errors.New("no RDMA device")
 // device is not among those it lists (errors wrapping errNoRDMA, naming
 // the device); a malformed --disaggregation-ib-device is an error of its
 // own.
-func (f *transferFlags) rdmaTransport() (transfer.Transport, error) {
+func (f *transferFlags) rdmaTransport(reg prometheus.Registerer) (transfer.Transport, error) {
 	dev, err := parseIBDevice(f.ibDevice, os.ReadFile)
 	if err != nil {
 		return nil, err
@@ -131,7 +132,8 @@ func (f *transferFlags) rdmaTransport() (transfer.Transport, error) {
 	if err != nil {
 		return nil, err
 	}
-	cfg := rdma.Config{Provider: p, Devices: dev.all, GPUDevices: dev.perGPU, NUMADevices: rdma.NUMANICs(nics), Port: f.mc.ibPort, GIDIndex: f.mc.gidIndex}
+	cfg := rdma.Config{Provider: p, Devices: dev.all, GPUDevices: dev.perGPU, NUMADevices: rdma.NUMANICs(nics), Port: f.mc.ibPort, GIDIndex: f.mc.gidIndex,
+		Registerer: reg}
 	return rdma.New(cfg), nil
 }
 

@@ -56,7 +56,7 @@ func TestTransportsRDMA(t *testing.T) {
 	host := fake.NewFabric().NewHost("mlx5_0", "mlx5_1")
 	withFake := func() (verbs.Provider, error) { return host, nil }
 	names := func(tf *transferFlags, lg *zap.Logger) ([]string, error) {
-		ts, err := tf.transports("--disaggregation-transfer-backend", lg)
+		ts, err := tf.transports("--disaggregation-transfer-backend", lg, nil)
 		var out []string
 		for _, x := range ts {
 			out = append(out, x.Name())

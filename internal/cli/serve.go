@@ -211,7 +211,7 @@ func (f *serveFlags) validate(lg *zap.Logger) error {
 	if f.memFraction < 0 || f.memFraction >= 1 {
 		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
 	}
-	if _, err := f.transports("--disaggregation-transfer-backend", lg); err != nil {
+	if _, err := f.transports("--disaggregation-transfer-backend", lg, nil); err != nil {
 		return err
 	}
 	switch f.debugFault {

@@ -45,14 +45,15 @@ type transferFlags struct {
 }
 
 // transports builds the transports for a backend name, in preference
-// order. flag names the flag for errors; lg gets the warnings (nil: none).
-func (f *transferFlags) transports(flag string, lg *zap.Logger) ([]transfer.Transport, error) {
+// order. flag names the flag for errors; lg gets the warnings (nil: none),
+// reg the rdma transport's metrics (nil: none).
+func (f *transferFlags) transports(flag string, lg *zap.Logger, reg prometheus.Registerer) ([]transfer.Transport, error) {
 	b := f.backend
 	switch {
 	case f.mc.forceTCP:
 		b = "tcp"
 	case f.mc.forceHCA:
-		r, err := f.rdmaTransport()
+		r, err := f.rdmaTransport(reg)
 		if err != nil {
 			return nil, fmt.Errorf("MC_FORCE_HCA: %w", err)
 		}
@@ -73,7 +74,7 @@ func (f *transferFlags) transports(flag string, lg *zap.Logger) ([]transfer.Tran
 	switch b {
 	case "", "auto", "mooncake": // mooncake: SGLang's name for its Mooncake backend, which this is
 		ts := append(gpuTransports(), shm.New(shm.Config{}))
-		switch r, err := f.rdmaTransport(); {
+		switch r, err := f.rdmaTransport(reg); {
 		case err == nil:
 			ts = append(ts, r) // across hosts rdma comes before tcp
 		case !errors.Is(err, errNoRDMA):
@@ -96,7 +97,7 @@ func (f *transferFlags) transports(flag string, lg *zap.Logger) ([]transfer.Tran
 		}
 		return g, nil
 	case "rdma":
-		r, err := f.rdmaTransport()
+		r, err := f.rdmaTransport(reg)
 		if err != nil {
 			return nil, fmt.Errorf("%s rdma: %w", flag, err)
 		}
@@ -109,7 +110,7 @@ func (f *transferFlags) transports(flag string, lg *zap.Logger) ([]transfer.Tran
 // listen. The returned closer closes the engine, then the registry.
 func (f *transferFlags) newTransferEngine(ctx context.Context, listen, name string, lg *zap.Logger, reg prometheus.Registerer,
 	onNotify func(transfer.Notification), flag string) (*transfer.Engine, io.Closer, error) {
-	ts, err := f.transports(flag, lg)
+	ts, err := f.transports(flag, lg, reg)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -11,6 +11,8 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs"
@@ -113,7 +115,8 @@ func TestQPErrorMidBatchOneNIC(t *testing.T) {
 // With two NICs the slices of the failed QP are posted again on the other
 // one: the batch succeeds, every byte in place.
 func TestQPErrorMidBatchRetriedOnOtherNIC(t *testing.T) {
-	a, b := pair(t, rdma.Config{SliceSize: 16 << 10}, 0, "mlx5_0", "mlx5_1")
+	reg := prometheus.NewRegistry()
+	a, b := pair(t, rdma.Config{SliceSize: 16 << 10, Registerer: reg}, 0, "mlx5_0", "mlx5_1")
 	if err := write(t, a, b, 4, 4096, 4); err != nil {
 		t.Fatal(err)
 	}
@@ -125,6 +128,46 @@ func TestQPErrorMidBatchRetriedOnOtherNIC(t *testing.T) {
 	if a.h.HCA("mlx5_1").Posted()-before < 64*7/2 {
 		t.Errorf("mlx5_1 carried only %d requests", a.h.HCA("mlx5_1").Posted()-before)
 	}
+	if got := metric(t, reg, "mooncake_rdma_bytes_total", nil); got != 4*4096+64*100<<10 {
+		t.Errorf("mooncake_rdma_bytes_total %v, want every byte once: %v", got, 4*4096+64*100<<10)
+	}
+	if metric(t, reg, "mooncake_rdma_completion_errors_total", map[string]string{"nic": "mlx5_0", "status": "work request flushed"}) < 1 ||
+		metric(t, reg, "mooncake_rdma_retries_total", map[string]string{"nic": "mlx5_0"}) < 1 ||
+		metric(t, reg, "mooncake_rdma_retries_total", map[string]string{"nic": "mlx5_1"}) != 0 {
+		t.Error("the flushed requests and their retries are not counted on mlx5_0")
+	}
+	if got := metric(t, reg, "mooncake_rdma_queue_pairs", nil); got < 1 || got > 4 {
+		t.Errorf("mooncake_rdma_queue_pairs %v", got)
+	}
+}
+
+// metric sums the series of name whose labels include want.
+func metric(t *testing.T, g prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			for k, v := range want {
+				found := false
+				for _, lp := range m.GetLabel() {
+					found = found || lp.GetName() == k && lp.GetValue() == v
+				}
+				if !found {
+					continue next
+				}
+			}
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
+		}
+	}
+	return sum
 }
 
 // Failures of one work request (retry exceeded) and a NIC whose link goes

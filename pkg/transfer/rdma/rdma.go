@@ -34,6 +34,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
@@ -84,6 +85,9 @@ type Config struct {
 	CQDepth int
 	// Tries bounds how often one slice is posted (default: NICs + 1).
 	Tries int
+	// Registerer gets the transport's metrics (nil: none); an engine's
+	// second rdma transport on one registry shares the series.
+	Registerer prometheus.Registerer
 }
 
 const (
@@ -139,6 +143,7 @@ type Transport struct {
 	h      transfer.Host
 	lg     *zap.Logger
 	nics   []*nic
+	m      *metrics
 
 	mu      sync.Mutex
 	regions map[*transfer.Region][]verbs.MR // per NIC
@@ -210,9 +215,13 @@ func (t *Transport) Start(h transfer.Host) error {
 	}
 	t.h = h
 	t.lg = h.Logger().Named(Name)
+	m, err := newMetrics(t.cfg.Registerer)
+	if err != nil {
+		return fmt.Errorf("rdma: metrics: %w", err)
+	}
+	t.m = m
 	names := t.cfg.Devices
 	if len(names) == 0 {
-		var err error
 		if names, err = t.cfg.Provider.Devices(); err != nil {
 			return fmt.Errorf("%w: listing devices: %w", ErrNoDevice, err)
 		}
@@ -645,6 +654,7 @@ type peer struct {
 
 	keysMu sync.Mutex
 	keys   map[uint64]*remoteKeys
+	m      *metrics
 
 	mu      sync.Mutex
 	users   int
@@ -667,10 +677,26 @@ type lane struct {
 	credits chan struct{}
 	broken  atomic.Pointer[error]
 	closeQP sync.Once
+	counted bool // in mooncake_rdma_queue_pairs
 }
 
 // close destroys the lane's QP once.
-func (l *lane) close() { l.closeQP.Do(func() { l.qp.Close() }) }
+func (l *lane) close(m *metrics) {
+	l.closeQP.Do(func() {
+		l.qp.Close()
+		if l.counted {
+			m.qps.WithLabelValues(l.nic.name).Dec()
+		}
+	})
+}
+
+func laneNames(ls []*lane) []string {
+	var out []string
+	for _, l := range ls {
+		out = append(out, l.String())
+	}
+	return out
+}
 
 func (l *lane) String() string { return fmt.Sprintf("%s->%s#%d", l.nic.name, l.p.name, l.rnic) }
 
@@ -736,7 +762,7 @@ func (p *peer) shut() {
 		p.conn.Close()
 	}
 	for _, l := range p.lanes {
-		l.close()
+		l.close(p.m)
 	}
 }
 
@@ -766,7 +792,7 @@ func (t *Transport) peerFor(ctx context.Context, d *transfer.Descriptor) (*peer,
 		}
 		created := false
 		if p == nil {
-			p = &peer{name: d.Name, inc: d.Incarnation, ready: make(chan struct{}), keys: map[uint64]*remoteKeys{}}
+			p = &peer{name: d.Name, inc: d.Incarnation, ready: make(chan struct{}), keys: map[uint64]*remoteKeys{}, m: t.m}
 			t.peers[d.Name] = p
 			created = true
 		}
@@ -853,7 +879,11 @@ func (t *Transport) connect(ctx context.Context, p *peer, d *transfer.Descriptor
 			return fmt.Errorf("rdma: %s to %s %s: %w", l.nic.name, d.Name, ri.Name, err)
 		}
 	}
-	t.lg.Debug("queue pairs up", zap.String("peer", d.Name), zap.Int("lanes", len(p.lanes)))
+	for _, l := range p.lanes {
+		t.m.qps.WithLabelValues(l.nic.name).Inc()
+		l.counted = true
+	}
+	t.lg.Info("rdma queue pairs up", zap.String("peer", d.Name), zap.Strings("lanes", laneNames(p.lanes)))
 	return nil
 }
 
@@ -1111,7 +1141,7 @@ func (t *Transport) reap(b *batch) {
 	t.lg.Error("flushed work requests not completed in 1s: destroying their queue pairs")
 	b.used.Range(func(k, _ any) bool {
 		l := k.(*lane)
-		l.close()
+		l.close(t.m)
 		for _, s := range l.nic.take(l) {
 			s.j.finish(*b.dead.Load())
 		}
@@ -1308,6 +1338,7 @@ func (t *Transport) post(b *batch, s *slice, rr *int, avoid *lane) error {
 		s.last = fmt.Errorf("%s: post_send: %w", l, err)
 		return t.post(b, s, rr, l)
 	}
+	t.m.requests.WithLabelValues(n.name, opLabel(s.op)).Inc()
 	select {
 	case n.kick <- struct{}{}:
 	default:
@@ -1387,11 +1418,13 @@ func (t *Transport) failNIC(n *nic, err error) {
 
 // complete handles one completion.
 func (t *Transport) complete(s *slice, wc verbs.WC) {
+	l := s.lane
 	if wc.Status == verbs.StatusSuccess {
+		t.m.bytes.WithLabelValues(l.nic.name, opLabel(s.op)).Add(float64(s.n))
 		s.j.finish(nil)
 		return
 	}
-	l := s.lane
+	t.m.errors.WithLabelValues(l.nic.name, statusLabel(wc.Status)).Inc()
 	werr := fmt.Errorf("%s: %v of [%#x, +%d) completed with %v (vendor %#x)", l, s.op, s.remote, s.n, wc.Status, wc.Vendor)
 	l.breakWith(werr) // the QP is in ERR now
 	switch wc.Status {
@@ -1414,6 +1447,7 @@ func (t *Transport) complete(s *slice, wc verbs.WC) {
 
 // retry hands s back to its batch to be posted on another lane.
 func (t *Transport) retry(s *slice) {
+	t.m.retries.WithLabelValues(s.lane.nic.name).Inc()
 	b := s.j.b
 	if e := b.dead.Load(); e != nil {
 		s.j.finish(*e)
