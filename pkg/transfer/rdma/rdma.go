@@ -36,6 +36,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs"
@@ -147,6 +148,7 @@ type Transport struct {
 
 	mu      sync.Mutex
 	regions map[*transfer.Region][]verbs.MR // per NIC
+	gpus    map[int]int                     // GPU ordinal -> regions registered through dma-buf
 	peers   map[string]*peer
 	served  map[net.Conn]struct{}
 	closed  bool
@@ -163,7 +165,7 @@ var (
 
 // New returns an rdma transport. An invalid cfg makes Start fail.
 func New(cfg Config) *Transport {
-	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), regions: map[*transfer.Region][]verbs.MR{},
+	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), regions: map[*transfer.Region][]verbs.MR{}, gpus: map[int]int{},
 		peers: map[string]*peer{}, served: map[net.Conn]struct{}{}}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	return t
@@ -333,25 +335,56 @@ func accessFlags(a transfer.Access) verbs.Access {
 	return v
 }
 
-// RegisterRegion registers host memory with every NIC. The handle only
-// says the region is reachable; its keys go to peers on request.
+// DMABufMemory is device memory that exports a dma-buf for a range (for
+// CUDA, cuMemGetHandleForAddressRange), so that NICs register it with
+// ibv_reg_dmabuf_mr and move its bytes directly (GPUDirect RDMA).
+type DMABufMemory interface {
+	transfer.Memory
+	// DMABuf returns a dma-buf file descriptor holding [addr, addr+n) at
+	// offset off; the caller closes fd.
+	DMABuf(addr, n uint64) (fd int, off uint64, err error)
+}
+
+// RegisterRegion registers the region with every NIC: host memory with
+// ibv_reg_mr, GPU memory that offers a dma-buf (DMABufMemory) with
+// ibv_reg_dmabuf_mr. The handle only says the region is reachable; its
+// keys go to peers on request.
 func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) {
-	if r.Location.Kind != transfer.CPU {
-		return nil, fmt.Errorf("%w: rdma registers host memory; %v needs dma-buf registration, not in this build", transfer.ErrCannotRegister, r.Location)
+	reg := func(n *nic) (verbs.MR, error) { return n.pd.RegMR(uintptr(r.Addr), r.Len, accessFlags(r.Access)) }
+	call := "ibv_reg_mr"
+	if r.Location.Kind == transfer.CUDA {
+		dm, ok := r.Memory.(DMABufMemory)
+		if !ok {
+			return nil, fmt.Errorf("%w: rdma: %v memory offers no dma-buf for GPUDirect RDMA (host staging of GPU memory is not in this transport)",
+				transfer.ErrCannotRegister, r.Location)
+		}
+		fd, off, err := dm.DMABuf(r.Addr, r.Len)
+		if err != nil {
+			return nil, fmt.Errorf("%w: rdma: dma-buf of %v [%#x, +%d): %w", transfer.ErrCannotRegister, r.Location, r.Addr, r.Len, err)
+		}
+		defer closeFD(fd)
+		call = "ibv_reg_dmabuf_mr"
+		reg = func(n *nic) (verbs.MR, error) { return n.pd.RegDmabufMR(off, r.Len, r.Addr, fd, accessFlags(r.Access)) }
 	}
 	mrs := make([]verbs.MR, 0, len(t.nics))
 	for _, n := range t.nics {
-		m, err := n.pd.RegMR(uintptr(r.Addr), r.Len, accessFlags(r.Access))
+		m, err := reg(n)
 		if err != nil {
 			for _, m := range mrs {
 				m.Close()
 			}
-			return nil, fmt.Errorf("rdma: %s: ibv_reg_mr [%#x, +%d): %w", n.name, r.Addr, r.Len, err)
+			if r.Location.Kind == transfer.CUDA {
+				err = fmt.Errorf("%w: %w", transfer.ErrCannotRegister, err) // no GPUDirect on this NIC: another transport may serve it
+			}
+			return nil, fmt.Errorf("rdma: %s: %s %v [%#x, +%d): %w", n.name, call, r.Location, r.Addr, r.Len, err)
 		}
 		mrs = append(mrs, m)
 	}
 	t.mu.Lock()
 	t.regions[r] = mrs
+	if r.Location.Kind == transfer.CUDA {
+		t.gpus[r.Location.Index]++
+	}
 	t.mu.Unlock()
 	return json.RawMessage(fmt.Sprintf(`{"nics":%d}`, len(mrs))), nil
 }
@@ -360,8 +393,11 @@ func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) 
 // HCA touches the memory and its keys are void.
 func (t *Transport) UnregisterRegion(r *transfer.Region) {
 	t.mu.Lock()
-	mrs := t.regions[r]
+	mrs, ok := t.regions[r]
 	delete(t.regions, r)
+	if ok && r.Location.Kind == transfer.CUDA {
+		t.gpus[r.Location.Index]--
+	}
 	t.mu.Unlock()
 	for i, m := range mrs {
 		if err := m.Close(); err != nil {
@@ -370,10 +406,17 @@ func (t *Transport) UnregisterRegion(r *transfer.Region) {
 	}
 }
 
-// CanServe: host memory on both ends, and the peer registered the region
-// with rdma.
+// CanServe: local host memory, or local GPU memory registered through
+// dma-buf, and a remote region the peer registered with rdma.
 func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, rem *transfer.RegionInfo) bool {
-	if loc.Kind != transfer.CPU || rem.Location.Kind != transfer.CPU {
+	if loc.Kind == transfer.CUDA {
+		t.mu.Lock()
+		n := t.gpus[loc.Index]
+		t.mu.Unlock()
+		if n == 0 {
+			return false
+		}
+	} else if loc.Kind != transfer.CPU {
 		return false
 	}
 	if _, ok := peer.Transports[Name]; !ok {
@@ -1469,3 +1512,5 @@ func (t *Transport) retry(s *slice) {
 		}()
 	}
 }
+
+func closeFD(fd int) { unix.Close(fd) }

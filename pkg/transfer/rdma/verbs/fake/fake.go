@@ -20,6 +20,8 @@ import (
 	"sync"
 	"unsafe"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs"
 )
 
@@ -249,6 +251,10 @@ type mr struct {
 	addr   uint64
 	n      uint64
 	access verbs.Access
+	// host is where address addr lives for this process (addr itself, or
+	// the mapping of a dma-buf registered at an iova).
+	host    uint64
+	mapping []byte
 	// inUse is held for reading while a request touches the memory;
 	// deregistration takes it for writing, so no access outlives it.
 	inUse sync.RWMutex
@@ -265,15 +271,35 @@ func (p *pd) RegMR(addr uintptr, n uint64, a verbs.Access) (verbs.MR, error) {
 	p.d.f.nextKey += 0x101
 	k := p.d.f.nextKey
 	p.d.f.mu.Unlock()
-	m := &mr{d: p.d, pd: p, key: k, addr: uint64(addr), n: n, access: a}
+	m := &mr{d: p.d, pd: p, key: k, addr: uint64(addr), n: n, access: a, host: uint64(addr)}
 	p.d.mu.Lock()
 	p.d.mrs[k] = m
 	p.d.mu.Unlock()
 	return m, nil
 }
 
+// RegDmabufMR maps the fd's range (any mappable fd stands for a dma-buf)
+// and registers it at address iova: work requests name iova addresses,
+// the fake moves the mapped bytes.
 func (p *pd) RegDmabufMR(off, n, iova uint64, fd int, a verbs.Access) (verbs.MR, error) {
-	return nil, fmt.Errorf("fake %s: reg_dmabuf_mr: the fake HCA has no device memory", p.d.name)
+	if n == 0 || iova == 0 || iova+n < iova {
+		return nil, fmt.Errorf("fake %s: reg_dmabuf_mr [%#x, +%d): bad range", p.d.name, iova, n)
+	}
+	pg := uint64(unix.Getpagesize())
+	start := off &^ (pg - 1)
+	b, err := unix.Mmap(fd, int64(start), int(off-start+n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("fake %s: reg_dmabuf_mr: mapping fd %d: %w", p.d.name, fd, err)
+	}
+	m, err := p.RegMR(uintptr(iova), n, a)
+	if err != nil {
+		unix.Munmap(b)
+		return nil, err
+	}
+	fm := m.(*mr)
+	fm.host = uint64(uintptr(unsafe.Pointer(&b[0]))) + off - start
+	fm.mapping = b
+	return fm, nil
 }
 
 func (p *pd) CreateQP(c verbs.CQ, maxSendWR int) (verbs.QP, error) {
@@ -313,6 +339,9 @@ func (m *mr) Close() error {
 	m.d.mu.Unlock()
 	m.inUse.Lock() // wait for requests touching it
 	m.inUse.Unlock()
+	if m.mapping != nil {
+		unix.Munmap(m.mapping)
+	}
 	return nil
 }
 
@@ -647,7 +676,7 @@ func (q *qp) transfer(w verbs.SendWR, r verbs.Remote, down bool) verbs.Status {
 	if !rok {
 		return verbs.StatusRemAccess
 	}
-	l, rb := mem(w.Local, w.Len), mem(w.Remote, w.Len)
+	l, rb := mem(lm.host+(w.Local-lm.addr), w.Len), mem(rm.host+(w.Remote-rm.addr), w.Len)
 	if w.Op == verbs.OpWrite {
 		copy(rb, l)
 	} else {
