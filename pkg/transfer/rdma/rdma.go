@@ -32,6 +32,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -375,6 +376,8 @@ func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) 
 			}
 			if r.Location.Kind == transfer.CUDA {
 				err = fmt.Errorf("%w: %w", transfer.ErrCannotRegister, err) // no GPUDirect on this NIC: another transport may serve it
+			} else if errors.Is(err, syscall.ENOMEM) {
+				err = fmt.Errorf("%w (raise the locked-memory limit: ulimit -l unlimited, or LimitMEMLOCK=infinity in systemd)", err)
 			}
 			return nil, fmt.Errorf("rdma: %s: %s %v [%#x, +%d): %w", n.name, call, r.Location, r.Addr, r.Len, err)
 		}
