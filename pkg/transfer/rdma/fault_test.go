@@ -139,6 +139,14 @@ func TestQPErrorMidBatchRetriedOnOtherNIC(t *testing.T) {
 	if got := metric(t, reg, "mooncake_rdma_queue_pairs", nil); got < 1 || got > 4 {
 		t.Errorf("mooncake_rdma_queue_pairs %v", got)
 	}
+	// The next batch gets new queue pairs: mlx5_0 carries work again.
+	before0 := a.h.HCA("mlx5_0").Posted()
+	if err := write(t, a, b, 64, 100<<10, 15); err != nil {
+		t.Fatal(err)
+	}
+	if a.h.HCA("mlx5_0").Posted()-before0 < 64*7/2 {
+		t.Errorf("after its QP failed, mlx5_0 carried only %d requests of the next batch", a.h.HCA("mlx5_0").Posted()-before0)
+	}
 }
 
 // metric sums the series of name whose labels include want.

@@ -590,9 +590,11 @@ func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 		var resp *message
 		switch m.Op {
 		case "connect":
-			var made []verbs.QP
-			resp, made = t.accept(m)
-			qps = append(qps, made...)
+			if qps != nil {
+				resp = &message{Op: m.Op, Err: "queue pairs already set up on this connection"}
+				break
+			}
+			resp, qps = t.accept(m)
 		case "keys":
 			resp = t.keysFor(m.Addr)
 		default:
@@ -829,7 +831,7 @@ func (t *Transport) peerFor(ctx context.Context, d *transfer.Descriptor) (*peer,
 		if p != nil {
 			select {
 			case <-p.ready:
-				if p.err != nil || !p.anyHealthy() {
+				if p.err != nil || p.anyBroken() {
 					old, p = p, nil
 					delete(t.peers, d.Name)
 				}
@@ -874,9 +876,11 @@ func (t *Transport) peerFor(ctx context.Context, d *transfer.Descriptor) (*peer,
 	}
 }
 
-func (p *peer) anyHealthy() bool {
+// anyBroken reports a lane that failed: the next batch gets new queue
+// pairs (batches still using these keep them until they end).
+func (p *peer) anyBroken() bool {
 	for _, l := range p.lanes {
-		if l.healthy() {
+		if l.broken.Load() != nil {
 			return true
 		}
 	}
@@ -897,6 +901,9 @@ func (t *Transport) connect(ctx context.Context, p *peer, d *transfer.Descriptor
 	p.conn = conn
 	req := &message{Op: "connect"}
 	for i, n := range t.nics {
+		if err := n.failedErr(); err != nil {
+			continue // out of use since its CQ failed
+		}
 		rn := i % len(in.NICs)
 		q, err := n.pd.CreateQP(n.cq, t.cfg.MaxWR)
 		if err != nil {
@@ -905,6 +912,9 @@ func (t *Transport) connect(ctx context.Context, p *peer, d *transfer.Descriptor
 		l := &lane{p: p, nic: n, rnic: rn, qp: q, credits: make(chan struct{}, t.cfg.MaxWR)}
 		p.lanes = append(p.lanes, l)
 		req.Lanes = append(req.Lanes, laneReq{NIC: rn, QPN: q.Num(), PSN: rand.Uint32() & 0xffffff, GID: n.gid.String(), LID: n.attr.LID, MTU: int(n.attr.ActiveMTU)})
+	}
+	if len(p.lanes) == 0 {
+		return fmt.Errorf("%w: every local NIC is out of use", ErrPath)
 	}
 	resp, err := p.exchange(ctx, req, t.h.Timeout())
 	if err != nil {
@@ -1397,6 +1407,8 @@ func (t *Transport) poll(n *nic) {
 	defer t.wg.Done()
 	wcs := make([]verbs.WC, 32)
 	idle := 0
+	nap := time.NewTimer(time.Hour)
+	defer nap.Stop()
 	for {
 		k, err := n.cq.Poll(wcs)
 		if err != nil {
@@ -1434,12 +1446,13 @@ func (t *Transport) poll(n *nic) {
 		idle++
 		if idle < 64 {
 			runtime.Gosched()
-		} else {
-			select {
-			case <-time.After(20 * time.Microsecond):
-			case <-t.ctx.Done():
-				return
-			}
+			continue
+		}
+		nap.Reset(20 * time.Microsecond)
+		select {
+		case <-nap.C:
+		case <-t.ctx.Done():
+			return
 		}
 	}
 }
