@@ -13,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/internal/ibv"
+	"github.com/mooncake-go/mooncake-go/internal/topo"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
 )
@@ -132,9 +133,30 @@ func (f *transferFlags) rdmaTransport(reg prometheus.Registerer) (transfer.Trans
 	if err != nil {
 		return nil, err
 	}
-	cfg := rdma.Config{Provider: p, Devices: dev.all, GPUDevices: dev.perGPU, NUMADevices: rdma.NUMANICs(nics), Port: f.mc.ibPort, GIDIndex: f.mc.gidIndex,
+	perGPU := dev.perGPU
+	if perGPU == nil && len(nics) > 0 {
+		perGPU = nearestPerGPU(f.sysfsRoot, nics, dev.all)
+	}
+	cfg := rdma.Config{Provider: p, Devices: dev.all, GPUDevices: perGPU, NUMADevices: rdma.NUMANICs(nics), Port: f.mc.ibPort, GIDIndex: f.mc.gidIndex,
 		Registerer: reg}
 	return rdma.New(cfg), nil
+}
+
+// nearestPerGPU maps each GPU NVML finds to its nearest NICs (among only,
+// when devices were named); nil without GPUs.
+func nearestPerGPU(root string, nics []rdma.NIC, only []string) map[int][]string {
+	t, err := topo.Discover()
+	if err != nil || len(t.GPUs) == 0 {
+		return nil
+	}
+	if len(only) > 0 {
+		nics = slices.DeleteFunc(slices.Clone(nics), func(n rdma.NIC) bool { return !slices.Contains(only, n.Name) })
+	}
+	var gpus []rdma.GPUPlace
+	for _, g := range t.GPUs {
+		gpus = append(gpus, rdma.GPUPlace{Index: g.Index, PCI: topo.NormalizeBusID(g.PCIBusID), NUMA: g.NUMANode})
+	}
+	return rdma.NearestNICs(root, nics, gpus)
 }
 
 func named(devs []string) string {

@@ -26,6 +26,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net"
 	"runtime"
@@ -248,6 +249,9 @@ func (t *Transport) Start(h transfer.Host) error {
 		go t.poll(n)
 		t.lg.Info("rdma device ready", zap.String("nic", n.name), zap.Uint8("port", n.port), zap.String("gid", n.gid.String()),
 			zap.Uint16("lid", n.attr.LID), zap.Int("mtu", n.attr.ActiveMTU.Bytes()), zap.Int("link_layer", int(n.attr.LinkLayer)))
+	}
+	for _, g := range slices.Sorted(maps.Keys(t.cfg.GPUDevices)) {
+		t.lg.Info("rdma NICs for GPU memory", zap.Int("gpu", g), zap.Strings("nics", t.cfg.GPUDevices[g]))
 	}
 	h.Handle(Name, t.serve)
 	return nil
