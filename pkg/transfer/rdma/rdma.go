@@ -1033,6 +1033,11 @@ type batch struct {
 	done  chan struct{}
 	retry chan *slice
 	used  sync.Map // *lane -> struct{}
+	// Requests queued for one post_send list per lane; only the batch's
+	// goroutine touches them.
+	queued  map[*lane][]queuedWR
+	order   []*lane
+	scratch []verbs.SendWR
 }
 
 func (j *job) finish(err error) {
@@ -1127,6 +1132,7 @@ func (t *Transport) run(ctx context.Context, d *transfer.Descriptor, tasks []*tr
 			t.abort(b, ctx.Err())
 		}
 	}
+	t.flush(b)
 	for {
 		select {
 		case <-b.done:
@@ -1135,6 +1141,8 @@ func (t *Transport) run(ctx context.Context, d *transfer.Descriptor, tasks []*tr
 			if err := t.post(b, s, &rr, s.lane); err != nil {
 				s.j.finish(err)
 			}
+			t.drainRetries(b, &rr)
+			t.flush(b)
 		case <-ctx.Done():
 			select {
 			case <-b.done:
@@ -1355,16 +1363,28 @@ func (t *Transport) post(b *batch, s *slice, rr *int, avoid *lane) error {
 		return fmt.Errorf("%w: %w: every queue pair to %s failed (%s)", ErrPath, transfer.ErrPeerDead, p.name, last)
 	}
 	// Credits: one CQ entry on the NIC, one send-queue slot on the QP.
+	// Before waiting for one, post what is queued: only posted requests
+	// give credits back.
 	select {
 	case l.nic.credits <- struct{}{}:
-	case <-b.ctx.Done():
-		return fmt.Errorf("rdma: waiting for a completion-queue slot on %s: %w", l.nic.name, b.ctx.Err())
+	default:
+		t.flush(b)
+		select {
+		case l.nic.credits <- struct{}{}:
+		case <-b.ctx.Done():
+			return fmt.Errorf("rdma: waiting for a completion-queue slot on %s: %w", l.nic.name, b.ctx.Err())
+		}
 	}
 	select {
 	case l.credits <- struct{}{}:
-	case <-b.ctx.Done():
-		<-l.nic.credits
-		return fmt.Errorf("rdma: waiting for a send-queue slot on %s: %w", l, b.ctx.Err())
+	default:
+		t.flush(b)
+		select {
+		case l.credits <- struct{}{}:
+		case <-b.ctx.Done():
+			<-l.nic.credits
+			return fmt.Errorf("rdma: waiting for a send-queue slot on %s: %w", l, b.ctx.Err())
+		}
 	}
 	b.used.Store(l, struct{}{})
 	s.lane = l
@@ -1384,26 +1404,75 @@ func (t *Transport) post(b *batch, s *slice, rr *int, avoid *lane) error {
 	n.mu.Unlock()
 	wr := verbs.SendWR{ID: id, Op: s.op, Local: s.local, Len: s.n, LKey: s.lkeys[n.idx], Remote: s.remote,
 		RKey: s.keys.rkeys[l.rnic%len(s.keys.rkeys)], Signaled: true}
-	if _, err := l.qp.PostSend([]verbs.SendWR{wr}); err != nil {
-		n.mu.Lock()
-		_, mine := n.pending[id]
-		delete(n.pending, id)
-		n.mu.Unlock()
-		if !mine {
-			return nil // completed (flushed) meanwhile; the poller has it
-		}
-		<-l.credits
-		<-n.credits
-		l.breakWith(fmt.Errorf("post_send: %w", err))
-		s.last = fmt.Errorf("%s: post_send: %w", l, err)
-		return t.post(b, s, rr, l)
+	if b.queued == nil {
+		b.queued = map[*lane][]queuedWR{}
 	}
-	t.m.requests.WithLabelValues(n.name, opLabel(s.op)).Inc()
+	if len(b.queued[l]) == 0 {
+		b.order = append(b.order, l)
+	}
+	b.queued[l] = append(b.queued[l], queuedWR{wr: wr, s: s})
+	if len(b.queued[l]) >= postList {
+		t.flushLane(b, l)
+	}
+	return nil
+}
+
+// postList is how many work requests one ibv_post_send call carries at
+// most (one doorbell for the list).
+const postList = 32
+
+type queuedWR struct {
+	wr verbs.SendWR
+	s  *slice
+}
+
+// flush posts every lane's queued requests.
+func (t *Transport) flush(b *batch) {
+	for _, l := range b.order {
+		t.flushLane(b, l)
+	}
+	b.order = b.order[:0]
+}
+
+// flushLane posts l's queued requests as one list. Those the QP refuses
+// go back to the batch for another lane.
+func (t *Transport) flushLane(b *batch, l *lane) {
+	q := b.queued[l]
+	if len(q) == 0 {
+		return
+	}
+	b.queued[l] = nil
+	b.scratch = b.scratch[:0]
+	for _, x := range q {
+		b.scratch = append(b.scratch, x.wr)
+	}
+	n := l.nic
+	bad, err := l.qp.PostSend(b.scratch)
+	if err == nil {
+		bad = len(q)
+	}
+	t.m.requests.WithLabelValues(n.name, opLabel(q[0].s.op)).Add(float64(bad))
 	select {
 	case n.kick <- struct{}{}:
 	default:
 	}
-	return nil
+	if err == nil {
+		return
+	}
+	l.breakWith(fmt.Errorf("post_send: %w", err))
+	for _, x := range q[bad:] {
+		n.mu.Lock()
+		_, mine := n.pending[x.wr.ID]
+		delete(n.pending, x.wr.ID)
+		n.mu.Unlock()
+		if !mine {
+			continue // reaped meanwhile
+		}
+		<-l.credits
+		<-n.credits
+		x.s.last = fmt.Errorf("%s: post_send: %w", l, err)
+		t.retry(x.s)
+	}
 }
 
 // poll reaps one NIC's completions until the transport closes.
