@@ -30,7 +30,7 @@ const memSize = 8 << 20
 
 // pair starts an initiator a and a target b on one fabric, each with the
 // named NICs and memSize bytes of registered memory.
-func pair(t *testing.T, cfg rdma.Config, timeout time.Duration, nics ...string) (a, b side) {
+func pair(t testing.TB, cfg rdma.Config, timeout time.Duration, nics ...string) (a, b side) {
 	t.Helper()
 	fab := fake.NewFabric()
 	mk := func() side {
