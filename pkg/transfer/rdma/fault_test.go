@@ -323,3 +323,36 @@ func TestNoKeysInDescriptorAndNoLeaks(t *testing.T) {
 		}
 	}
 }
+
+// Closing the engine while a batch waits on a stalled HCA: the batch ends,
+// Close returns within its bounds, nothing is left running.
+func TestCloseWithStalledBatch(t *testing.T) {
+	const bound = 300 * time.Millisecond
+	a, b := pair(t, rdma.Config{}, bound, "mlx5_0")
+	if err := write(t, a, b, 4, 4096, 16); err != nil {
+		t.Fatal(err)
+	}
+	seg, err := a.n.E.OpenSegment(context.Background(), b.n.E.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.h.HCA("mlx5_0").Stall(true)
+	done := make(chan error, 1)
+	go func() {
+		done <- a.n.E.Transfer(context.Background(), []transfer.Request{{Op: transfer.Write, Local: uintptr(a.m.Addr()), Len: 4096, Segment: seg, Remote: b.m.Addr()}})
+	}()
+	for a.h.HCA("mlx5_0").Posted() < 5 { // the 4 writes above, then this one
+		time.Sleep(5 * time.Millisecond)
+	}
+	start := time.Now()
+	a.n.Close()
+	if el := time.Since(start); el > 2*bound+2*time.Second {
+		t.Fatalf("Close took %v with a stalled batch", el)
+	}
+	if err := <-done; err == nil {
+		t.Fatal("a stalled batch succeeded")
+	}
+	if o, m, q := a.h.HCA("mlx5_0").Live(); o+m+q != 0 {
+		t.Errorf("after Close: %d contexts, %d MRs, %d QPs open", o, m, q)
+	}
+}

@@ -155,9 +155,14 @@ type Transport struct {
 	served  map[net.Conn]struct{}
 	closed  bool
 
-	ctx    context.Context // canceled by Close
+	ctx    context.Context // canceled by Close: batches end
 	cancel context.CancelFunc
-	wg     sync.WaitGroup // pollers, batches, served connections
+	wg     sync.WaitGroup // batches, served connections
+	// The pollers stop after the batches, so an ending batch still gets
+	// its completions.
+	pollCtx  context.Context
+	stopPoll context.CancelFunc
+	pollers  sync.WaitGroup
 }
 
 var (
@@ -170,6 +175,7 @@ func New(cfg Config) *Transport {
 	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), regions: map[*transfer.Region][]verbs.MR{}, gpus: map[int]int{},
 		peers: map[string]*peer{}, served: map[net.Conn]struct{}{}}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
+	t.pollCtx, t.stopPoll = context.WithCancel(context.Background())
 	return t
 }
 
@@ -245,7 +251,7 @@ func (t *Transport) Start(h transfer.Host) error {
 		t.cfg.Tries = len(t.nics) + 1
 	}
 	for _, n := range t.nics {
-		t.wg.Add(1)
+		t.pollers.Add(1)
 		go t.poll(n)
 		t.lg.Info("rdma device ready", zap.String("nic", n.name), zap.Uint8("port", n.port), zap.String("gid", n.gid.String()),
 			zap.Uint16("lid", n.attr.LID), zap.Int("mtu", n.attr.ActiveMTU.Bytes()), zap.Int("link_layer", int(n.attr.LinkLayer)))
@@ -473,6 +479,8 @@ func (t *Transport) Close() error {
 		c.Close()
 	}
 	t.wg.Wait()
+	t.stopPoll()
+	t.pollers.Wait()
 	t.mu.Lock()
 	regs := t.regions
 	t.regions = map[*transfer.Region][]verbs.MR{}
@@ -1477,7 +1485,7 @@ func (t *Transport) flushLane(b *batch, l *lane) {
 
 // poll reaps one NIC's completions until the transport closes.
 func (t *Transport) poll(n *nic) {
-	defer t.wg.Done()
+	defer t.pollers.Done()
 	wcs := make([]verbs.WC, 32)
 	idle := 0
 	nap := time.NewTimer(time.Hour)
@@ -1510,7 +1518,7 @@ func (t *Transport) poll(n *nic) {
 		if !busy {
 			select {
 			case <-n.kick:
-			case <-t.ctx.Done():
+			case <-t.pollCtx.Done():
 				return
 			}
 			continue
@@ -1524,7 +1532,7 @@ func (t *Transport) poll(n *nic) {
 		nap.Reset(20 * time.Microsecond)
 		select {
 		case <-nap.C:
-		case <-t.ctx.Done():
+		case <-t.pollCtx.Done():
 			return
 		}
 	}
