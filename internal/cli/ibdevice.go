@@ -139,6 +139,13 @@ func (f *transferFlags) rdmaTransport(reg prometheus.Registerer) (transfer.Trans
 	}
 	cfg := rdma.Config{Provider: p, Devices: dev.all, GPUDevices: perGPU, NUMADevices: rdma.NUMANICs(nics), Port: f.mc.ibPort, GIDIndex: f.mc.gidIndex,
 		Registerer: reg}
+	if !f.mc.gidSet {
+		port := int(f.mc.ibPort)
+		if port == 0 {
+			port = 1
+		}
+		cfg.GIDIndexes = rdma.RoCEv2Indexes(nics, port) // RoCE ports: their RoCE v2 GID
+	}
 	return rdma.New(cfg), nil
 }
 

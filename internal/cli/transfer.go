@@ -159,6 +159,7 @@ type mcEnv struct {
 	intraName                                   string // MC_INTRANODE_NVLINK or MC_INTRA_NVLINK
 	ibPort                                      uint8  // MC_IB_PORT (0: the transport's default, 1)
 	gidIndex                                    int    // MC_GID_INDEX
+	gidSet                                      bool   // MC_GID_INDEX given (else RoCE v2 entries from sysfs)
 	teMetric                                    bool
 	teMetricEvery                               time.Duration
 }
@@ -239,7 +240,7 @@ func readMC(environ []string, lg *zap.Logger) (mcEnv, error) {
 		if err != nil || n < 0 || n > 255 {
 			return m, fmt.Errorf("MC_GID_INDEX %q: want a GID index in [0, 255]", v)
 		}
-		m.gidIndex = n
+		m.gidIndex, m.gidSet = n, true
 	}
 	m.teMetric = envFlag(lg, "MC_TE_METRIC", vars["MC_TE_METRIC"])
 	m.teMetricEvery = 5 * time.Second

@@ -79,6 +79,9 @@ type Config struct {
 	// (default 0; RoCE v2 setups often need 3).
 	Port     uint8
 	GIDIndex int
+	// GIDIndexes overrides GIDIndex per NIC (RoCEv2Indexes finds the
+	// RoCE v2 entries in sysfs).
+	GIDIndexes map[string]int
 	// SliceSize is the largest work request: larger tasks and pages are
 	// cut into slices of this size spread over the NICs (default 256 KiB).
 	SliceSize int
@@ -253,7 +256,7 @@ func (t *Transport) Start(h transfer.Host) error {
 	for _, n := range t.nics {
 		t.pollers.Add(1)
 		go t.poll(n)
-		t.lg.Info("rdma device ready", zap.String("nic", n.name), zap.Uint8("port", n.port), zap.String("gid", n.gid.String()),
+		t.lg.Info("rdma device ready", zap.String("nic", n.name), zap.Uint8("port", n.port), zap.Int("gid_index", n.gidIx), zap.String("gid", n.gid.String()),
 			zap.Uint16("lid", n.attr.LID), zap.Int("mtu", n.attr.ActiveMTU.Bytes()), zap.Int("link_layer", int(n.attr.LinkLayer)))
 	}
 	for _, g := range slices.Sorted(maps.Keys(t.cfg.GPUDevices)) {
@@ -268,7 +271,11 @@ func (t *Transport) openNIC(i int, name string) (*nic, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrNoDevice, name, err)
 	}
-	n := &nic{idx: i, name: name, dev: dev, port: t.cfg.Port, gidIx: t.cfg.GIDIndex, pending: map[uint64]*slice{},
+	gidIx := t.cfg.GIDIndex
+	if g, ok := t.cfg.GIDIndexes[name]; ok {
+		gidIx = g
+	}
+	n := &nic{idx: i, name: name, dev: dev, port: t.cfg.Port, gidIx: gidIx, pending: map[uint64]*slice{},
 		credits: make(chan struct{}, t.cfg.CQDepth), kick: make(chan struct{}, 1)}
 	fail := func(err error) (*nic, error) {
 		n.close()

@@ -33,6 +33,9 @@ type Port struct {
 	State     string // "ACTIVE", "DOWN", ...
 	LinkLayer string // "InfiniBand" or "Ethernet"
 	GID0      string // GID table entry 0
+	// RoCEv2 is the first GID index of type "RoCE v2" with a GID set
+	// (Ethernet ports; -1 if none): what RoCE v2 traffic uses.
+	RoCEv2 int
 }
 
 // Active reports whether some port is ACTIVE.
@@ -90,9 +93,44 @@ func readNIC(root, name string) NIC {
 			st = s
 		}
 		n.Ports = append(n.Ports, Port{Num: num, State: st, LinkLayer: readString(filepath.Join(pd, "link_layer")),
-			GID0: readString(filepath.Join(pd, "gids/0"))})
+			GID0: readString(filepath.Join(pd, "gids/0")), RoCEv2: roceV2Index(pd)})
 	}
 	return n
+}
+
+// roceV2Index finds the first "RoCE v2" GID with a non-zero value.
+func roceV2Index(port string) int {
+	ents, _ := os.ReadDir(filepath.Join(port, "gid_attrs/types"))
+	var idx []int
+	for _, e := range ents {
+		if i, err := strconv.Atoi(e.Name()); err == nil {
+			idx = append(idx, i)
+		}
+	}
+	sort.Ints(idx)
+	for _, i := range idx {
+		if !strings.EqualFold(readString(filepath.Join(port, "gid_attrs/types", strconv.Itoa(i))), "RoCE v2") {
+			continue
+		}
+		g := readString(filepath.Join(port, "gids", strconv.Itoa(i)))
+		if g != "" && strings.Trim(g, "0:") != "" {
+			return i
+		}
+	}
+	return -1
+}
+
+// RoCEv2Indexes maps each NIC with a RoCE v2 GID on port to its index.
+func RoCEv2Indexes(nics []NIC, port int) map[string]int {
+	out := map[string]int{}
+	for _, n := range nics {
+		for _, p := range n.Ports {
+			if p.Num == port && p.RoCEv2 >= 0 {
+				out[n.Name] = p.RoCEv2
+			}
+		}
+	}
+	return out
 }
 
 // pciPath resolves a sysfs device link to its components below

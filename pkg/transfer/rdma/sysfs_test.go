@@ -132,3 +132,37 @@ func TestDiscoverHere(t *testing.T) {
 	}
 	t.Logf("%d RDMA devices here", len(nics))
 }
+
+// A RoCE port: the first "RoCE v2" GID that is set is the one to use.
+func TestRoCEv2Index(t *testing.T) {
+	root := t.TempDir()
+	port := filepath.Join(root, "sys/class/infiniband/mlx5_bond_0/ports/1")
+	for i, c := range []struct{ typ, gid string }{
+		{"IB/RoCE v1", "fe80:0000:0000:0000:0a00:27ff:fe00:0001"},
+		{"RoCE v2", "0000:0000:0000:0000:0000:0000:0000:0000"},
+		{"IB/RoCE v1", "0000:0000:0000:ffff:0a00:0001:0000:0000"},
+		{"RoCE v2", "0000:0000:0000:0000:0000:ffff:0a00:0001"},
+	} {
+		for _, f := range []struct{ path, v string }{
+			{"gid_attrs/types/" + string(rune('0'+i)), c.typ}, {"gids/" + string(rune('0'+i)), c.gid},
+		} {
+			p := filepath.Join(port, f.path)
+			os.MkdirAll(filepath.Dir(p), 0o755)
+			if err := os.WriteFile(p, []byte(f.v+"\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	os.WriteFile(filepath.Join(port, "state"), []byte("4: ACTIVE\n"), 0o644)
+	os.WriteFile(filepath.Join(port, "link_layer"), []byte("Ethernet\n"), 0o644)
+	nics, err := rdma.Discover(root)
+	if err != nil || len(nics) != 1 {
+		t.Fatalf("%v %v", nics, err)
+	}
+	if got := rdma.RoCEv2Indexes(nics, 1); !reflect.DeepEqual(got, map[string]int{"mlx5_bond_0": 3}) {
+		t.Fatalf("RoCE v2 indexes %v, want mlx5_bond_0: 3", got)
+	}
+	if got := rdma.RoCEv2Indexes(nics, 2); len(got) != 0 {
+		t.Fatalf("port 2: %v", got)
+	}
+}
