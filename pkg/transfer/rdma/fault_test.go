@@ -249,9 +249,17 @@ func TestStalledHCABounded(t *testing.T) {
 	if err := write(t, a, b, 4, 4096, 11); err != nil {
 		t.Fatal(err)
 	}
+	seg, err := a.n.E.OpenSegment(context.Background(), b.n.E.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reqs []transfer.Request
+	for i := 0; i < 16; i++ {
+		reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(a.m.Addr()) + uintptr(i*8192), Len: 4096, Segment: seg, Remote: b.m.Addr() + uint64(i*8192)})
+	}
 	a.h.HCA("mlx5_0").Stall(true)
 	start := time.Now()
-	err := write(t, a, b, 16, 4096, 12)
+	err = a.n.E.Transfer(context.Background(), reqs)
 	if !errors.Is(err, transfer.ErrTimeout) && !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("stalled batch: %v; want a timeout", err)
 	}
