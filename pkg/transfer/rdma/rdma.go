@@ -191,15 +191,6 @@ func (t *Transport) Reach() transfer.Reach { return transfer.ReachNetwork }
 // PageLists says the transport moves page-list tasks page by page.
 func (t *Transport) PageLists() bool { return true }
 
-// NICs names the devices in use, in order.
-func (t *Transport) NICs() []string {
-	var out []string
-	for _, n := range t.nics {
-		out = append(out, n.name)
-	}
-	return out
-}
-
 // nic is one open device with its PD, CQ and poller.
 type nic struct {
 	idx   int
