@@ -68,6 +68,18 @@ struct mc_ibv_wc {
 	uint8_t sl, dlid_path_bits;
 };
 
+// The ABI's sizes and offsets on LP64 (rdma-core's verbs.h, stable since
+// libibverbs 1.1): a transcription error fails the build, not a transfer.
+_Static_assert(sizeof(void *) == 8, "LP64 only");
+_Static_assert(sizeof(struct mc_ibv_wc) == 48, "ibv_wc");
+_Static_assert(sizeof(struct mc_ibv_sge) == 16, "ibv_sge");
+_Static_assert(sizeof(struct mc_ibv_send_wr) == 128, "ibv_send_wr");
+_Static_assert(offsetof(struct mc_ibv_send_wr, wr) == 40, "ibv_send_wr.wr");
+_Static_assert(offsetof(struct mc_ibv_qp, qp_num) == 52, "ibv_qp.qp_num");
+_Static_assert(offsetof(struct mc_ibv_mr, lkey) == 36 && offsetof(struct mc_ibv_mr, rkey) == 40, "ibv_mr keys");
+_Static_assert(offsetof(struct mc_ibv_qp_attr, ah_attr) == 56 && offsetof(struct mc_ibv_qp_attr, port_num) == 129, "ibv_qp_attr");
+_Static_assert(offsetof(struct mc_ibv_port_attr, lid) == 34 && offsetof(struct mc_ibv_port_attr, link_layer) == 46, "ibv_port_attr");
+
 // ibv_context starts with the device pointer, then the ops table; poll_cq
 // and post_send are its 12th and 26th entries.
 enum { MC_OPS_POLL_CQ = 11, MC_OPS_POST_SEND = 25 };
