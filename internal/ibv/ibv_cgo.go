@@ -145,7 +145,7 @@ static int mc_list(char *out, int max) {
 static uintptr_t mc_open(const char *name) {
 	int n = 0;
 	void **l = p_get_device_list(&n);
-	if (!l) return 0;
+	if (!l) { errno = ENODEV; return 0; } // no verbs devices at all (ENOSYS: no uverbs)
 	void *ctx = 0;
 	int found = 0;
 	for (int i = 0; i < n; i++) {
