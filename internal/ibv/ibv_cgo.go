@@ -290,6 +290,9 @@ func (provider) Devices() ([]string, error) {
 	buf := make([]byte, 64*max)
 	n, err := C.mc_list((*C.char)(unsafe.Pointer(&buf[0])), max)
 	if n < 0 {
+		if errors.Is(err, syscall.ENOSYS) || errors.Is(err, syscall.ENODEV) {
+			return nil, nil // no uverbs devices: the kernel has no RDMA device
+		}
 		return nil, &Error{Call: "ibv_get_device_list", Errno: errnoOr(err)}
 	}
 	var out []string
