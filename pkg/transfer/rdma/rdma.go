@@ -471,7 +471,7 @@ func (t *Transport) Close() error {
 	t.mu.Unlock()
 	t.cancel()
 	for _, p := range peers {
-		p.retire(t)
+		p.retire()
 	}
 	for _, c := range served {
 		c.Close()
@@ -502,7 +502,7 @@ func (t *Transport) DropPeer(d *transfer.Descriptor) {
 	}
 	delete(t.peers, d.Name)
 	t.mu.Unlock()
-	p.retire(t)
+	p.retire()
 }
 
 // ---- control messages ----
@@ -785,7 +785,7 @@ func (p *peer) acquire() bool {
 	return true
 }
 
-func (p *peer) release(t *Transport) {
+func (p *peer) release() {
 	p.mu.Lock()
 	p.users--
 	last := p.users == 0 && p.retired && !p.closed
@@ -800,7 +800,7 @@ func (p *peer) release(t *Transport) {
 
 // retire stops new batches from using p; it closes once the last batch
 // using it ends.
-func (p *peer) retire(t *Transport) {
+func (p *peer) retire() {
 	p.mu.Lock()
 	p.retired = true
 	last := p.users == 0 && !p.closed
@@ -857,7 +857,7 @@ func (t *Transport) peerFor(ctx context.Context, d *transfer.Descriptor) (*peer,
 		ok := p.acquire()
 		t.mu.Unlock()
 		if old != nil {
-			old.retire(t)
+			old.retire()
 		}
 		if !ok {
 			continue // retired between the lookup and acquire
@@ -869,17 +869,17 @@ func (t *Transport) peerFor(ctx context.Context, d *transfer.Descriptor) (*peer,
 		select {
 		case <-p.ready:
 		case <-ctx.Done():
-			p.release(t)
+			p.release()
 			return nil, fmt.Errorf("rdma: waiting for queue pairs to %s: %w", d.Name, ctx.Err())
 		}
 		if p.err != nil {
-			p.release(t)
+			p.release()
 			t.mu.Lock()
 			if t.peers[d.Name] == p {
 				delete(t.peers, d.Name)
 			}
 			t.mu.Unlock()
-			p.retire(t)
+			p.retire()
 			return nil, p.err
 		}
 		return p, nil
@@ -1096,7 +1096,7 @@ func (t *Transport) run(ctx context.Context, d *transfer.Descriptor, tasks []*tr
 		}
 		return
 	}
-	defer p.release(t)
+	defer p.release()
 	b := &batch{ctx: ctx, done: make(chan struct{}), retry: make(chan *slice, 64)}
 	var all []*slice
 	var jobs []*job
