@@ -328,8 +328,13 @@ func TestNoKeysInDescriptorAndNoLeaks(t *testing.T) {
 	if strings.Contains(strings.ToLower(string(raw)), "key") {
 		t.Fatalf("descriptor mentions keys: %s", raw)
 	}
-	if h := string(d.Regions[0].Handles[rdma.Name]); h != `{"nics":1}` {
-		t.Fatalf("region handle %s", h)
+	var h struct {
+		NICs int    `json:"nics"`
+		Gen  uint64 `json:"gen"`
+	}
+	raw = d.Regions[0].Handles[rdma.Name]
+	if err := json.Unmarshal(raw, &h); err != nil || h.NICs != 1 || h.Gen == 0 || strings.Count(string(raw), ",") != 1 {
+		t.Fatalf("region handle %s", raw)
 	}
 	a.Close()
 	b.Close()
@@ -370,5 +375,26 @@ func TestCloseWithStalledBatch(t *testing.T) {
 	}
 	if o, m, q := a.h.HCA("mlx5_0").Live(); o+m+q != 0 {
 		t.Errorf("after Close: %d contexts, %d MRs, %d QPs open", o, m, q)
+	}
+}
+
+// The target unregisters a region and registers it again at the same
+// address: once the initiator has the new descriptor, the old keys are not
+// used (the handle's generation changed) and the first batch succeeds.
+func TestReRegisteredRegion(t *testing.T) {
+	a, b := pair(t, rdma.Config{}, 0, "mlx5_0")
+	if err := write(t, a, b, 4, 4096, 18); err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	if err := b.n.E.UnregisterMemory(ctx, uintptr(b.m.Addr())); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.n.E.RegisterMemory(ctx, uintptr(b.m.Addr()), uint64(b.m.Size()), transfer.Location{Kind: transfer.CPU}, transfer.AccessReadWrite,
+		transfer.WithHostMemory(b.m, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(t, a, b, 4, 4096, 19); err != nil {
+		t.Fatalf("first batch after the target registered the region again: %v", err)
 	}
 }

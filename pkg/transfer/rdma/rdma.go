@@ -153,6 +153,7 @@ type Transport struct {
 
 	mu      sync.Mutex
 	regions map[*transfer.Region][]verbs.MR // per NIC
+	gen     atomic.Uint64                   // registrations so far
 	gpus    map[int]int                     // GPU ordinal -> regions registered through dma-buf
 	peers   map[string]*peer
 	served  map[net.Conn]struct{}
@@ -397,7 +398,9 @@ func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) 
 		t.gpus[r.Location.Index]++
 	}
 	t.mu.Unlock()
-	return json.RawMessage(fmt.Sprintf(`{"nics":%d}`, len(mrs))), nil
+	// gen tells initiators that cached keys of an earlier registration at
+	// the same address are void.
+	return json.RawMessage(fmt.Sprintf(`{"nics":%d,"gen":%d}`, len(mrs), t.gen.Add(1))), nil
 }
 
 // UnregisterRegion deregisters the region's MRs: once it returns, no
@@ -724,6 +727,7 @@ type remoteKeys struct {
 	addr, n uint64
 	access  transfer.Access
 	rkeys   []uint32 // per target NIC
+	handle  string   // the region's rdma handle when the keys came: a new one voids them
 }
 
 // lane is one queue pair to the peer.
@@ -983,7 +987,7 @@ func (t *Transport) keysOf(ctx context.Context, p *peer, reg *transfer.RegionInf
 	p.keysMu.Lock()
 	k := p.keys[reg.Addr]
 	p.keysMu.Unlock()
-	if k != nil {
+	if k != nil && k.handle == string(reg.Handles[Name]) {
 		return k, nil
 	}
 	resp, err := p.exchange(ctx, &message{Op: "keys", Addr: reg.Addr}, t.h.Timeout())
@@ -993,7 +997,7 @@ func (t *Transport) keysOf(ctx context.Context, p *peer, reg *transfer.RegionInf
 	if resp.Err != "" {
 		return nil, &transfer.RangeError{Addr: reg.Addr, Len: reg.Len, Err: transfer.ErrOutOfBounds, Detail: fmt.Sprintf("rdma: %s refused: %s", p.name, resp.Err)}
 	}
-	k = &remoteKeys{addr: reg.Addr, n: resp.Len, access: transfer.Access(resp.Access), rkeys: resp.RKeys}
+	k = &remoteKeys{addr: reg.Addr, n: resp.Len, access: transfer.Access(resp.Access), rkeys: resp.RKeys, handle: string(reg.Handles[Name])}
 	p.keysMu.Lock()
 	p.keys[reg.Addr] = k
 	p.keysMu.Unlock()
