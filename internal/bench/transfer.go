@@ -25,7 +25,7 @@ type TransferConfig struct {
 	LocalServerName string // host:port; the target listens there (port 0: a free port) and it is its segment name
 	SegmentID       string // the target's segment name (initiator)
 	MetadataServer  string // p2p | embedded | etcd://h:p | http://h:p/metadata (used by Deps.NewEngine)
-	Protocol        string // auto | tcp | shm | nvlink (used by Deps.NewEngine)
+	Protocol        string // auto | tcp | shm | nvlink | rdma (used by Deps.NewEngine)
 	Operation       string // read | write
 	BlockSize       int64
 	BatchSize       int

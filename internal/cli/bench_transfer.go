@@ -66,10 +66,10 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 			}
 			tf.mc = mc
 			fl := cmd.Flags()
-			if fl.Changed("device-name") || fl.Changed("nic-priority-matrix") {
-				lg.Warn("--device_name and --nic_priority_matrix have no effect here: this build has no RDMA transport (KV moves over nvlink, shm or tcp)",
-					zap.String("device_name", deviceName))
+			if fl.Changed("nic-priority-matrix") {
+				lg.Warn("--nic_priority_matrix has no effect here: the rdma transport picks NICs by NUMA node and PCI distance (--device_name names them)")
 			}
+			tf.ibDevice = deviceName
 			if fl.Changed("auto-discovery") && autoDiscovery {
 				lg.Warn("--auto_discovery has no effect here: the transports are chosen per request from what each side can reach (--protocol auto)")
 			}
@@ -81,9 +81,6 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 			}
 			if _, _, err := net.SplitHostPort(cfg.LocalServerName); err != nil {
 				cfg.LocalServerName = net.JoinHostPort(cfg.LocalServerName, "0") // Mooncake's bare host: any port
-			}
-			if cfg.Protocol == "rdma" {
-				return fmt.Errorf("--protocol rdma: this build has no RDMA transport (no ibverbs devices here); use auto, tcp, shm or nvlink")
 			}
 			tf.backend, tf.metadata = cfg.Protocol, cfg.MetadataServer
 			host, _, _ := net.SplitHostPort(cfg.LocalServerName)
@@ -114,7 +111,7 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 	f.StringVar(&cfg.LocalServerName, "local-server-name", cfg.LocalServerName, "host:port to listen on; the segment name (port 0 or no port picks a free port)")
 	f.StringVar(&cfg.SegmentID, "segment-id", "", "the target's segment name (initiator)")
 	f.StringVar(&cfg.MetadataServer, "metadata-server", cfg.MetadataServer, "p2p (P2PHANDSHAKE), embedded, etcd://host:port (or host:port), or http://host:port/metadata")
-	f.StringVar(&cfg.Protocol, "protocol", cfg.Protocol, "auto, tcp, shm or nvlink")
+	f.StringVar(&cfg.Protocol, "protocol", cfg.Protocol, "auto, tcp, shm, nvlink or rdma")
 	f.StringVar(&cfg.Operation, "operation", cfg.Operation, "read or write")
 	f.Int64Var(&cfg.BlockSize, "block-size", cfg.BlockSize, "bytes per request")
 	f.IntVar(&cfg.BatchSize, "batch-size", cfg.BatchSize, "requests per batch")
@@ -130,8 +127,8 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 	f.StringVar(&cfg.Format, "format", cfg.Format, "text, json, or mooncake: transfer_engine_bench's result line")
 	f.StringVar(&cfg.ReportUnit, "report-unit", cfg.ReportUnit, "the rate's unit: GB, GiB, Gb, MB, MiB, Mb, KB, KiB or Kb (per second)")
 	f.IntVar(&cfg.ReportPrecision, "report-precision", cfg.ReportPrecision, "decimals of the rate (--format mooncake)")
-	f.StringVar(&deviceName, "device-name", "", "Mooncake's RDMA device: no effect (no RDMA transport in this build)")
-	f.StringVar(&nicMatrix, "nic-priority-matrix", "", "Mooncake's RDMA NIC priorities: no effect (no RDMA transport in this build)")
+	f.StringVar(&deviceName, "device-name", "", "RDMA devices, as serve's --disaggregation-ib-device (default: every device found)")
+	f.StringVar(&nicMatrix, "nic-priority-matrix", "", "Mooncake's RDMA NIC priorities: no effect (NICs are picked by topology)")
 	f.BoolVar(&autoDiscovery, "auto-discovery", false, "Mooncake's topology discovery: no effect (transports are chosen per request)")
 	f.StringVar(&backend, "backend", "classic", "Mooncake's engine backend: classic (there is one)")
 	f.BoolVar(&initMem, "init-mem", true, "Mooncake's buffer initialization: buffers are always filled")

@@ -148,7 +148,7 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	// is no network transport for GPU memory in this build (no RDMA).
 	opts := []transfer.RegisterOption{transfer.WithScope(transfer.ScopeSameMachine)}
 	if p := be.KVPool(); p != nil {
-		opts = append(opts, transfer.WithOpaque(p))
+		opts = append(opts, transfer.WithMemory(p))
 	}
 	if err := te.RegisterMemory(ctx, uintptr(be.KVBase()), be.KVSize(), loc, transfer.AccessReadWrite, opts...); err != nil {
 		b.shutdown(lg)

@@ -52,7 +52,7 @@ var sglangLaunchFlags = []struct {
 	// PD disaggregation guide (Mooncake, Llama single node and DeepSeek multi-node).
 	{[]string{"--model-path", "/nonexistent/for-the-test"}, false},
 	{[]string{"--disaggregation-mode", "prefill"}, false},
-	{[]string{"--disaggregation-ib-device", "mlx5_roce0"}, true},
+	{[]string{"--disaggregation-ib-device", "mlx5_roce0"}, false}, // used by rdma; a missing device is warned after --port is checked
 	{[]string{"--base-gpu-id", "1"}, false},
 	{[]string{"--host", "127.0.0.1"}, false},
 	{[]string{"--trust-remote-code"}, true},
@@ -215,12 +215,12 @@ func TestMooncakeEnv(t *testing.T) {
 			t.Errorf("MC_FORCE_TCP=%s taken as set", v)
 		}
 	}
-	m, err := readMC([]string{"MC_GID_INDEX=3", "MC_SLICE_SIZE=65536", "MC_NOT_A_THING=1", "MC_INTRA_NVLINK=1", "MC_TE_METRIC=true",
+	m, err := readMC([]string{"MC_NUM_CQ_PER_CTX=3", "MC_GID_INDEX=3", "MC_SLICE_SIZE=65536", "MC_NOT_A_THING=1", "MC_INTRA_NVLINK=1", "MC_TE_METRIC=true",
 		"MC_TE_METRIC_INTERVAL_SECONDS=2", "PATH=/bin"}, lg)
 	if err != nil || !m.intraNVLink || m.intraName != "MC_INTRA_NVLINK" || !m.teMetric || m.teMetricEvery != 2*time.Second {
 		t.Fatalf("%+v %v", m, err)
 	}
-	for _, want := range []string{"MC_GID_INDEX has no effect here: this build has no RDMA", "MC_SLICE_SIZE has no effect here",
+	for _, want := range []string{"MC_NUM_CQ_PER_CTX has no effect here: the rdma transport sizes", "MC_SLICE_SIZE has no effect here",
 		"MC_NOT_A_THING is not a Mooncake variable"} {
 		if logs.FilterMessageSnippet(want).Len() != 1 {
 			t.Errorf("no warning %q: %v", want, logs.All())
@@ -234,25 +234,25 @@ func TestMooncakeEnv(t *testing.T) {
 	}
 	// The transports follow them.
 	tf := &transferFlags{backend: "shm", mc: mcEnv{forceTCP: true}}
-	if ts, err := tf.transports("--x"); err != nil || len(ts) != 1 || ts[0].Name() != "tcp" {
+	if ts, err := tf.transports("--x", nil, nil); err != nil || len(ts) != 1 || ts[0].Name() != "tcp" {
 		t.Errorf("MC_FORCE_TCP: %v %v", ts, err)
 	}
 	tf = &transferFlags{mc: mcEnv{forceHCA: true}}
-	if _, err := tf.transports("--x"); err == nil || !strings.Contains(err.Error(), "MC_FORCE_HCA") {
+	if _, err := tf.transports("--x", nil, nil); err == nil || !strings.Contains(err.Error(), "MC_FORCE_HCA") {
 		t.Errorf("MC_FORCE_HCA: %v", err)
 	}
 	if ok, _ := gpuPresent(); !ok {
 		tf = &transferFlags{mc: mcEnv{intraNVLink: true, intraName: "MC_INTRANODE_NVLINK"}}
-		if _, err := tf.transports("--x"); err == nil || !strings.Contains(err.Error(), "MC_INTRANODE_NVLINK") {
+		if _, err := tf.transports("--x", nil, nil); err == nil || !strings.Contains(err.Error(), "MC_INTRANODE_NVLINK") {
 			t.Errorf("MC_INTRANODE_NVLINK without a GPU: %v", err)
 		}
 		tf = &transferFlags{mc: mcEnv{forceMNNVL: true}}
-		if _, err := tf.transports("--x"); err == nil || !strings.Contains(err.Error(), "MC_FORCE_MNNVL") {
+		if _, err := tf.transports("--x", nil, nil); err == nil || !strings.Contains(err.Error(), "MC_FORCE_MNNVL") {
 			t.Errorf("MC_FORCE_MNNVL without a GPU: %v", err)
 		}
 	}
 	for _, b := range []string{"mooncake", "auto"} {
-		if ts, err := (&transferFlags{backend: b}).transports("--x"); err != nil || len(ts) < 2 {
+		if ts, err := (&transferFlags{backend: b}).transports("--x", nil, nil); err != nil || len(ts) < 2 {
 			t.Errorf("backend %s: %v %v", b, ts, err)
 		}
 	}

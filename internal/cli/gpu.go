@@ -64,7 +64,7 @@ func allocDevice(ctx context.Context, e *transfer.Engine, size int64, gpu int) (
 		return 0, nil, fmt.Errorf("--use-vram --gpu-id %d: %w", gpu, err)
 	}
 	err = e.RegisterMemory(ctx, uintptr(pool.Ptr()), uint64(size), transfer.Location{Kind: transfer.CUDA, Index: gpu},
-		transfer.AccessReadWrite, transfer.WithOpaque(pool), transfer.WithScope(transfer.ScopeSameMachine))
+		transfer.AccessReadWrite, transfer.WithMemory(pool), transfer.WithScope(transfer.ScopeSameMachine))
 	if err != nil {
 		pool.Close()
 		c.Release()

@@ -97,8 +97,8 @@ func newServeCmd(g *globals) *cobra.Command {
 				return err
 			}
 			f.mc = mc
-			if cmd.Flags().Changed("disaggregation-ib-device") && f.backend != "rdma" {
-				lg.Warn("--disaggregation-ib-device has no effect here: this build has no RDMA transport (KV moves over nvlink, shm or tcp)",
+			if cmd.Flags().Changed("disaggregation-ib-device") && f.backend != "rdma" && f.backend != "auto" && f.backend != "mooncake" && f.backend != "" {
+				lg.Warn("--disaggregation-ib-device has no effect with --disaggregation-transfer-backend "+f.backend+" (only auto and rdma use RDMA)",
 					zap.String("device", f.ibDevice))
 			}
 			return runServe(cmd.Context(), &f, lg, cmd.OutOrStdout())
@@ -117,7 +117,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.StringVar(&f.mode, "disaggregation-mode", "null", "null (colocated), prefill or decode")
 	fl.IntVar(&f.bootstrapPort, "disaggregation-bootstrap-port", 8998, "prefill bootstrap server port (0 picks a free one)")
 	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink or rdma")
-	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", "RDMA device (rdma backend)")
+	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", `RDMA devices: "mlx5_0,mlx5_1", a JSON object from GPU id to devices, or a file holding one (default: every device found)`)
 	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait, from when its pages are reserved")
 	fl.DurationVar(&f.maxQueueWait, "max-queue-wait", engine.DefaultMaxQueueWait, "bound on a request's wait for KV pages in the admission queue")
 	fl.BoolVar(&f.pushByLayer, "disaggregation-push-by-layer", false, "prefill: push each layer's KV as soon as the layer is computed, overlapping the push with the rest of the pass")
@@ -163,7 +163,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	return cmd
 }
 
-func (f *serveFlags) validate() error {
+func (f *serveFlags) validate(lg *zap.Logger) error {
 	switch f.mode {
 	case "null", "prefill", "decode":
 	default:
@@ -224,7 +224,7 @@ func (f *serveFlags) validate() error {
 	if f.memFraction < 0 || f.memFraction >= 1 {
 		return fmt.Errorf("--mem-fraction-static %v: want a fraction in [0, 1)", f.memFraction)
 	}
-	if _, err := f.transports("--disaggregation-transfer-backend"); err != nil {
+	if _, err := f.transports("--disaggregation-transfer-backend", lg, nil); err != nil {
 		return err
 	}
 	switch f.debugFault {
@@ -358,7 +358,7 @@ func (s *servingStack) close(lg *zap.Logger) {
 }
 
 func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer) error {
-	if err := f.validate(); err != nil {
+	if err := f.validate(lg); err != nil {
 		return err
 	}
 	secret, err := f.resolve(lg, f.host)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/topo"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
 )
 
 func newTopoCmd(g *globals) *cobra.Command {
@@ -25,8 +26,38 @@ func newTopoCmd(g *globals) *cobra.Command {
 			} else {
 				printGPUs(out, t)
 			}
+			printRDMA(out, t)
 			return printSelection(cmd, out, t)
 		},
+	}
+}
+
+// printRDMA lists the RDMA devices sysfs shows and, with GPUs, the NICs
+// the rdma transport prefers for each.
+func printRDMA(out io.Writer, t *topo.Topology) {
+	nics, err := rdma.Discover("")
+	if err != nil || len(nics) == 0 {
+		fmt.Fprintf(out, "no RDMA device (/sys/class/infiniband lists none%s)\n", map[bool]string{true: ": " + fmt.Sprint(err), false: ""}[err != nil])
+		return
+	}
+	fmt.Fprintf(out, "%d RDMA device(s)\n", len(nics))
+	for _, n := range nics {
+		fmt.Fprintf(out, "  %s: PCI %s, NUMA %d", n.Name, n.PCI, n.NUMA)
+		for _, p := range n.Ports {
+			fmt.Fprintf(out, ", port %d %s %s", p.Num, p.State, p.LinkLayer)
+		}
+		fmt.Fprintln(out)
+	}
+	if t == nil {
+		return
+	}
+	var gpus []rdma.GPUPlace
+	for _, g := range t.GPUs {
+		gpus = append(gpus, rdma.GPUPlace{Index: g.Index, PCI: topo.NormalizeBusID(g.PCIBusID), NUMA: g.NUMANode})
+	}
+	per := rdma.NearestNICs("", nics, gpus)
+	for _, g := range gpus {
+		fmt.Fprintf(out, "  GPU%d -> %v\n", g.Index, per[g.Index])
 	}
 }
 

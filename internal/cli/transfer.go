@@ -17,6 +17,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/auth"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/nvlink"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/registry"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/shm"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
@@ -36,17 +37,27 @@ type transferFlags struct {
 	secret auth.Secret
 	// mc is Mooncake's environment (readMC), set by the command.
 	mc mcEnv
+	// verbs opens the verbs library (nil: libibverbs); sysfsRoot is where
+	// sysfs lives ("": /). Tests set both.
+	verbs     func() (verbs.Provider, error)
+	sysfsRoot string
+	warned    map[string]bool
 }
 
 // transports builds the transports for a backend name, in preference
-// order. flag names the flag for errors.
-func (f *transferFlags) transports(flag string) ([]transfer.Transport, error) {
+// order. flag names the flag for errors; lg gets the warnings (nil: none),
+// reg the rdma transport's metrics (nil: none).
+func (f *transferFlags) transports(flag string, lg *zap.Logger, reg prometheus.Registerer) ([]transfer.Transport, error) {
 	b := f.backend
 	switch {
 	case f.mc.forceTCP:
 		b = "tcp"
 	case f.mc.forceHCA:
-		return nil, errors.New("MC_FORCE_HCA: this build has no RDMA transport (no ibverbs devices here); unset it, or set MC_FORCE_TCP=1")
+		r, err := f.rdmaTransport(reg)
+		if err != nil {
+			return nil, fmt.Errorf("MC_FORCE_HCA: %w", err)
+		}
+		return []transfer.Transport{r}, nil
 	case f.mc.forceMNNVL:
 		mn, err := nvlink.NewMNNVL(nvlink.Config{})
 		if err != nil {
@@ -62,7 +73,17 @@ func (f *transferFlags) transports(flag string) ([]transfer.Transport, error) {
 	}
 	switch b {
 	case "", "auto", "mooncake": // mooncake: SGLang's name for its Mooncake backend, which this is
-		return append(gpuTransports(), shm.New(shm.Config{}), tcp.New(tcp.Config{})), nil
+		ts := append(gpuTransports(), shm.New(shm.Config{}))
+		switch r, err := f.rdmaTransport(reg); {
+		case err == nil:
+			ts = append(ts, r) // across hosts rdma comes before tcp
+		case !errors.Is(err, errNoRDMA):
+			return nil, err
+		case f.ibDevice != "":
+			f.warnOnce(lg, "--disaggregation-ib-device names a device that is not usable: the rdma transport is not installed (KV moves over nvlink, shm or tcp)",
+				zap.String("device", f.ibDevice), zap.String("reason", err.Error()))
+		}
+		return append(ts, tcp.New(tcp.Config{})), nil
 	case "nixl", "ascend", "fake":
 		return nil, fmt.Errorf("%s %s: SGLang's %s backend is not this one; use auto (mooncake), tcp, shm or nvlink", flag, b, b)
 	case "tcp":
@@ -76,8 +97,11 @@ func (f *transferFlags) transports(flag string) ([]transfer.Transport, error) {
 		}
 		return g, nil
 	case "rdma":
-		return nil, fmt.Errorf("%s rdma: this build has no RDMA transport (no ibverbs devices here%s); use auto or tcp",
-			flag, map[bool]string{true: ", --disaggregation-ib-device " + f.ibDevice, false: ""}[f.ibDevice != ""])
+		r, err := f.rdmaTransport(reg)
+		if err != nil {
+			return nil, fmt.Errorf("%s rdma: %w", flag, err)
+		}
+		return []transfer.Transport{r}, nil
 	}
 	return nil, fmt.Errorf("%s %q: want auto, tcp, shm, nvlink or rdma", flag, b)
 }
@@ -86,7 +110,7 @@ func (f *transferFlags) transports(flag string) ([]transfer.Transport, error) {
 // listen. The returned closer closes the engine, then the registry.
 func (f *transferFlags) newTransferEngine(ctx context.Context, listen, name string, lg *zap.Logger, reg prometheus.Registerer,
 	onNotify func(transfer.Notification), flag string) (*transfer.Engine, io.Closer, error) {
-	ts, err := f.transports(flag)
+	ts, err := f.transports(flag, lg, reg)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -133,6 +157,9 @@ func metadataSpec(s string) string {
 type mcEnv struct {
 	forceTCP, forceHCA, forceMNNVL, intraNVLink bool
 	intraName                                   string // MC_INTRANODE_NVLINK or MC_INTRA_NVLINK
+	ibPort                                      uint8  // MC_IB_PORT (0: the transport's default, 1)
+	gidIndex                                    int    // MC_GID_INDEX
+	gidSet                                      bool   // MC_GID_INDEX given (else RoCE v2 entries from sysfs)
 	teMetric                                    bool
 	teMetricEvery                               time.Duration
 }
@@ -154,15 +181,16 @@ var mcNoOps = map[string]string{
 	"MC_USE_IPV6":                   "addresses are used as given (IPv6 works in brackets)",
 }
 
-// mcRDMA are Mooncake's RDMA tuning variables: no RDMA transport in this build.
-var mcRDMA = []string{"MC_NUM_CQ_PER_CTX", "MC_NUM_COMP_CHANNELS_PER_CTX", "MC_IB_PORT", "MC_IB_TC", "MC_IB_PCI_RELAXED_ORDERING",
-	"MC_GID_INDEX", "MC_MAX_CQE_PER_CTX", "MC_MAX_EP_PER_CTX", "MC_NUM_QP_PER_EP", "MC_MAX_SGE", "MC_MAX_WR", "MC_MAX_INLINE", "MC_MTU",
+// mcRDMA are Mooncake's RDMA tuning variables the rdma transport does not
+// read (it sizes its queues itself; docs/RDMA.md).
+var mcRDMA = []string{"MC_NUM_CQ_PER_CTX", "MC_NUM_COMP_CHANNELS_PER_CTX", "MC_IB_TC", "MC_IB_PCI_RELAXED_ORDERING",
+	"MC_MAX_CQE_PER_CTX", "MC_MAX_EP_PER_CTX", "MC_NUM_QP_PER_EP", "MC_MAX_SGE", "MC_MAX_WR", "MC_MAX_INLINE", "MC_MTU",
 	"MC_WORKERS_PER_CTX", "MC_FRAGMENT_RATIO", "MC_ENABLE_DEST_DEVICE_AFFINITY", "MC_ENABLE_PARALLEL_REG_MR", "MC_PATH_ROUNDROBIN",
 	"MC_ENDPOINT_STORE_TYPE"}
 
 // mcHonoured are the MC_* variables read with their Mooncake meaning (MC_LOG_LEVEL
 // by the logger).
-var mcHonoured = []string{"MC_FORCE_TCP", "MC_FORCE_HCA", "MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK", "MC_INTRA_NVLINK",
+var mcHonoured = []string{"MC_FORCE_TCP", "MC_FORCE_HCA", "MC_IB_PORT", "MC_GID_INDEX", "MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK", "MC_INTRA_NVLINK",
 	"MC_TE_METRIC", "MC_TE_METRIC_INTERVAL_SECONDS", "MC_LOG_LEVEL"}
 
 // envFlag reads a Mooncake switch: 1/true/yes/on set it, 0/false/no/off/"" not;
@@ -200,6 +228,20 @@ func readMC(environ []string, lg *zap.Logger) (mcEnv, error) {
 	if m.forceMNNVL && m.intraNVLink {
 		return m, fmt.Errorf("MC_FORCE_MNNVL and %s exclude each other (as in Mooncake)", m.intraName)
 	}
+	if v := vars["MC_IB_PORT"]; v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 || n > 255 {
+			return m, fmt.Errorf("MC_IB_PORT %q: want a port number in [1, 255]", v)
+		}
+		m.ibPort = uint8(n)
+	}
+	if v := vars["MC_GID_INDEX"]; v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 || n > 255 {
+			return m, fmt.Errorf("MC_GID_INDEX %q: want a GID index in [0, 255]", v)
+		}
+		m.gidIndex, m.gidSet = n, true
+	}
 	m.teMetric = envFlag(lg, "MC_TE_METRIC", vars["MC_TE_METRIC"])
 	m.teMetricEvery = 5 * time.Second
 	if v := vars["MC_TE_METRIC_INTERVAL_SECONDS"]; v != "" {
@@ -221,7 +263,7 @@ func readMC(environ []string, lg *zap.Logger) (mcEnv, error) {
 		switch {
 		case slices.Contains(mcHonoured, k):
 		case slices.Contains(mcRDMA, k):
-			lg.Warn(k+" has no effect here: this build has no RDMA transport (KV moves over nvlink, shm or tcp)", zap.String("var", k))
+			lg.Warn(k+" has no effect here: the rdma transport sizes its queues and slices itself (docs/RDMA.md)", zap.String("var", k))
 		case mcNoOps[k] != "":
 			lg.Warn(k+" has no effect here: "+mcNoOps[k], zap.String("var", k))
 		default:

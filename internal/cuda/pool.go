@@ -49,6 +49,7 @@ type Pool struct {
 	ht     HandleType
 	handle MemHandle
 	access []Device
+	xfer   poolCopies
 }
 
 // PoolExport is what another process needs to map a pool: the POSIX fd (to
@@ -200,6 +201,7 @@ func (p *Pool) Close() error {
 	if p == nil || p.ptr == 0 {
 		return nil
 	}
+	p.closeCopies()
 	err := errors.Join(MemUnmap(p.ptr, p.size), MemAddressFree(p.ptr, p.size), MemRelease(p.handle))
 	p.ptr = 0
 	return err

@@ -63,6 +63,8 @@ func (m *HostMemory) Size() int64 { return int64(len(m.mem)) }
 // File returns the memfd (owned by m; do not close it).
 func (m *HostMemory) FD() int { return m.fd }
 
+func closeFD(fd int) error { return unix.Close(fd) }
+
 // Close unmaps the memory and closes the fd.
 func (m *HostMemory) Close() error {
 	var err error

@@ -28,7 +28,7 @@ type regOpts struct {
 	off      int64
 	scope    Scope
 	scopeSet bool
-	opaque   any
+	mem      Memory
 }
 
 // RegisterOption varies one RegisterMemory call.
@@ -44,10 +44,6 @@ func WithHostMemory(m *HostMemory, off int64) RegisterOption {
 // every peer the installed transports can reach: ScopeAny when one of them
 // crosses machines, else ScopeSameMachine.
 func WithScope(s Scope) RegisterOption { return func(o *regOpts) { o.scope, o.scopeSet = s, true } }
-
-// WithOpaque attaches backend data (for example a CUDA pool's export) for
-// transports to find.
-func WithOpaque(v any) RegisterOption { return func(o *regOpts) { o.opaque = v } }
 
 // RegisterMemory registers [addr, addr+length) at loc with the given access
 // rights for peers, and publishes it. Every transport that can serve the
@@ -73,9 +69,12 @@ func (e *Engine) RegisterMemory(ctx context.Context, addr uintptr, length uint64
 	if o.host != nil && (o.off < 0 || o.off+int64(length) > o.host.Size() || o.host.Addr()+uint64(o.off) != a) {
 		return &OpError{Op: "register", Err: fmt.Errorf("range [%#x, +%d) is not at offset %d of the host memory given", a, length, o.off)}
 	}
+	if m := o.mem; m != nil && (a < m.Base() || a+length > m.Base()+m.Size() || m.Base()+m.Size() < m.Base()) {
+		return &OpError{Op: "register", Err: fmt.Errorf("range [%#x, +%d) is not inside the memory given ([%#x, +%d))", a, length, m.Base(), m.Size())}
+	}
 	r := &Region{
 		RegionInfo: RegionInfo{Addr: a, Len: length, Location: loc, Access: access, Handles: map[string]json.RawMessage{}},
-		Host:       o.host, HostOffset: o.off, Opaque: o.opaque,
+		Host:       o.host, HostOffset: o.off, Memory: o.mem,
 	}
 	e.mu.Lock()
 	if e.closed {

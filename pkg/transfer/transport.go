@@ -69,8 +69,9 @@ type Region struct {
 	Host *HostMemory
 	// HostOffset is the offset of Addr inside Host.
 	HostOffset int64
-	// Opaque carries backend data (for example a CUDA pool) for transports.
-	Opaque any
+	// Memory is the backend memory the region lies in (WithMemory), or nil.
+	// GPU regions that tcp or rdma stage implement DeviceMemory.
+	Memory Memory
 
 	holds   atomic.Int64 // transfers touching the memory (HoldLocal, batches)
 	drainMu sync.Mutex

@@ -125,7 +125,7 @@ func newRig(t *testing.T, ngpu int) (*rig, error) {
 	}
 	ctx := context.Background()
 	if err := r.e.RegisterMemory(ctx, uintptr(r.local.Ptr()), r.local.Size(), transfer.Location{Kind: transfer.CUDA, Index: r.gpu},
-		transfer.AccessReadWrite, transfer.WithOpaque(r.local), transfer.WithScope(transfer.ScopeSameMachine)); err != nil {
+		transfer.AccessReadWrite, transfer.WithMemory(r.local), transfer.WithScope(transfer.ScopeSameMachine)); err != nil {
 		return nil, err
 	}
 	if r.lhost, err = r.e.AllocHost(ctx, 64*mib, 0, transfer.AccessReadWrite, transfer.WithScope(transfer.ScopeSameMachine)); err != nil {

@@ -9,7 +9,7 @@
 //
 // The serving side publishes, per region, a handle naming how the region
 // is shared: "vmm-fd" (a cuda.Pool of POSIX-FD shareable VMM memory, given
-// with transfer.WithOpaque), "vmm-fabric" (a FABRIC pool), "ipc" (legacy IPC
+// with transfer.WithMemory), "vmm-fabric" (a FABRIC pool), "ipc" (legacy IPC
 // of cuMemAlloc memory) or "host" (memfd-backed host memory, from
 // Engine.AllocHost). The exported objects themselves (fds, IPC handles)
 // are never in the descriptor: as in package shm, an initiator first proves
@@ -266,7 +266,8 @@ func (s *served) item() fdshare.Item {
 }
 
 // RegisterRegion publishes a handle for GPU memory it can export (a
-// cuda.Pool given WithOpaque, or cuMemAlloc memory through legacy IPC) and
+// transfer.Memory given WithMemory, such as a cuda.Pool, or cuMemAlloc
+// memory through legacy IPC) and
 // for memfd-backed host memory; anything else is ErrCannotRegister with the
 // reason.
 func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) {
@@ -324,43 +325,44 @@ func (t *Transport) export(r *transfer.Region) (*served, Handle, error) {
 		return cannot("this process sees %d GPU(s)", t.ndev)
 	}
 	h := Handle{Device: dev, PCIBusID: t.buses[dev]}
-	if pool, ok := r.Opaque.(*cuda.Pool); ok && pool != nil {
-		base, size := uint64(pool.Ptr()), pool.Size()
-		if r.Addr < base || r.End() > base+size {
-			return cannot("outside the cuda.Pool given WithOpaque ([%#x, +%d))", base, size)
-		}
-		if int(pool.Context().Device()) != dev {
-			return cannot("the pool lives on GPU %d", pool.Context().Device())
-		}
-		switch ht := pool.HandleType(); {
-		case ht == cuda.HandleFabric:
-		case t.fabric:
-			return cannot("the pool's memory is %v, not FABRIC shareable", ht)
-		case ht != cuda.HandlePosixFD:
-			return cannot("the pool's memory is not shareable (%v)", ht)
-		}
-		e, err := pool.Export()
+	if m := r.Memory; m != nil {
+		base := m.Base()
+		e, err := m.Share()
 		if err != nil {
 			return cannot("%v", err)
 		}
+		bad := ""
+		switch {
+		case e.Device != dev:
+			bad = fmt.Sprintf("the memory lives on GPU %d", e.Device)
+		case e.Kind != transfer.HandleFabric && t.fabric:
+			bad = fmt.Sprintf("the memory is %s shareable, not fabric", e.Kind)
+		case e.Kind != transfer.HandleFabric && e.Kind != transfer.HandlePosixFD:
+			bad = fmt.Sprintf("the memory's handle kind %q is not importable", e.Kind)
+		case e.Kind == transfer.HandleFabric && len(e.Fabric) != len(s.key):
+			bad = fmt.Sprintf("fabric handle of %d bytes", len(e.Fabric))
+		case r.End() > base+e.Size:
+			bad = fmt.Sprintf("the shared handle covers [%#x, +%d) only", base, e.Size)
+		}
+		if bad != "" {
+			e.Close()
+			return cannot("%s", bad)
+		}
 		s.size, s.off, s.gran = e.Size, r.Addr-base, e.Granularity
 		h.Size, h.Offset, h.Granularity = s.size, s.off, s.gran
-		if e.HandleType == cuda.HandlePosixFD {
+		if e.Kind == transfer.HandlePosixFD {
 			s.kind, s.fd, h.Kind = KindVMMFD, e.FD, KindVMMFD
 		} else {
 			s.kind, h.Kind = KindVMMFabric, KindVMMFabric
-			copy(s.key[:], e.Fabric[:])
+			copy(s.key[:], e.Fabric)
 			if t.fabric {
-				h.Fabric = append([]byte(nil), e.Fabric[:]...)
+				h.Fabric = append([]byte(nil), e.Fabric...)
 			}
 		}
 		return s, h, nil
 	}
 	if t.fabric {
-		return cannot("not a FABRIC cuda.Pool (register it WithOpaque(pool))")
-	}
-	if r.Opaque != nil {
-		return cannot("opaque %T is not a *cuda.Pool", r.Opaque)
+		return cannot("not fabric-shareable memory (register a FABRIC pool WithMemory(pool))")
 	}
 	d, err := t.device(dev)
 	if err != nil {
@@ -368,7 +370,7 @@ func (t *Transport) export(r *transfer.Region) (*served, Handle, error) {
 	}
 	e, err := d.ctx.ExportIPC(cuda.DevicePtr(r.Addr))
 	if err != nil {
-		return cannot("not a cuda.Pool (pass it WithOpaque) and legacy IPC export failed: %v", err)
+		return cannot("no shareable memory given (WithMemory) and legacy IPC export failed: %v", err)
 	}
 	if e.Offset+r.Len > e.Size {
 		return cannot("spans beyond its cuMemAlloc allocation of %d bytes", e.Size)

@@ -161,7 +161,7 @@ func runTarget() int {
 		if err := st.poison(r); err != nil {
 			return fail(err)
 		}
-		if err := e.RegisterMemory(ctx, uintptr(r.Addr), r.Len, loc, transfer.AccessReadWrite, transfer.WithOpaque(pool), same); err != nil {
+		if err := e.RegisterMemory(ctx, uintptr(r.Addr), r.Len, loc, transfer.AccessReadWrite, transfer.WithMemory(pool), same); err != nil {
 			return fail(err)
 		}
 		st.regs[r.Name] = r

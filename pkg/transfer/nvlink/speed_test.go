@@ -291,7 +291,7 @@ func TestGPUPoolRegister100GiB(t *testing.T) {
 	defer pool.Close()
 	t1 := time.Now()
 	must(t, e.RegisterMemory(context.Background(), uintptr(pool.Ptr()), size, transfer.Location{Kind: transfer.CUDA, Index: gpu},
-		transfer.AccessReadWrite, transfer.WithOpaque(pool), transfer.WithScope(transfer.ScopeSameMachine)))
+		transfer.AccessReadWrite, transfer.WithMemory(pool), transfer.WithScope(transfer.ScopeSameMachine)))
 	t2 := time.Now()
 	total := t2.Sub(t0)
 	t.Logf("100 GiB pool on GPU %d: create %v, register (export + publish) %v, total %v", gpu, t1.Sub(t0), t2.Sub(t1), total)
