@@ -129,3 +129,17 @@ func TestServerChecksEveryRequest(t *testing.T) {
 		t.Fatalf("lane not closed after a bad frame: %v", err)
 	}
 }
+
+// TestConformanceDevice: device memory (a fake whose addresses the CPU
+// cannot touch) staged on either side.
+func TestConformanceDevice(t *testing.T) {
+	transfertest.RunDevice(t, newTransports, transfertest.FakeDevices)
+}
+
+// Small staging chunks and one slot per direction: every transfer is many
+// staged pieces queued for few slots.
+func TestConformanceDeviceSmallStaging(t *testing.T) {
+	transfertest.RunDevice(t, func() []transfer.Transport {
+		return []transfer.Transport{tcp.New(tcp.Config{Lanes: 2, MaxInflight: 3, StagingChunk: 4096 + 5, StagingSlots: 1})}
+	}, transfertest.FakeDevices)
+}
