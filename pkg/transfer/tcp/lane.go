@@ -184,7 +184,7 @@ type piece struct {
 	// into slot before it is sent, a read is received into slot and then
 	// copied to dev.
 	dev  transfer.DeviceMemory
-	slot []byte
+	slot *slot
 	wait transfer.Completion
 }
 
@@ -329,18 +329,17 @@ type lane struct {
 	err      error
 	lastDL   time.Time // when the read deadline was last pushed
 
-	st    *stager
-	spare []byte        // a staging slot the writer waited for
-	stop  chan struct{} // closed by fail
-	fin   chan *piece   // staged reads whose copy to the device runs
-	lwg   sync.WaitGroup
+	st   *stager
+	stop chan struct{} // closed by fail
+	fin  chan *piece   // staged reads whose copy to the device runs
+	lwg  sync.WaitGroup
 }
 
 func newLane(p *peer, c net.Conn) *lane {
 	cfg := p.t.cfg
 	l := &lane{p: p, conn: c, br: bufio.NewReaderSize(c, readBufSize), max: cfg.MaxInflight,
 		tmo: p.t.h.Timeout(), inflight: map[uint64]*piece{}, st: newStager(cfg.StagingChunk, cfg.StagingSlots),
-		stop: make(chan struct{}), fin: make(chan *piece, cfg.StagingSlots)}
+		stop: make(chan struct{}), fin: make(chan *piece, finQueue)}
 	l.cond.L = &l.mu
 	return l
 }
@@ -415,6 +414,9 @@ func (l *lane) pushDeadlineLocked(force bool) {
 
 const maxSendBatch = 128
 
+// finQueue bounds the staged reads waiting for the finisher.
+const finQueue = 256
+
 // skip is a piece the writer ends without sending it.
 type skip struct {
 	pc  *piece
@@ -432,14 +434,12 @@ func (l *lane) writeLoop() {
 		}
 		if l.err != nil {
 			l.mu.Unlock()
-			l.st.put(toWire, l.spare)
-			l.spare = nil
 			return
 		}
 		idle := len(l.inflight) == 0
 		batch, skipped = batch[:0], skipped[:0]
 		var size uint64
-		staged := false
+		staged, waitStaging := false, false
 		i := 0
 	build:
 		for ; i < len(l.queue) && len(l.inflight) < l.max && len(batch) < maxSendBatch && size < maxWriteBytes; i++ {
@@ -454,12 +454,10 @@ func (l *lane) writeLoop() {
 					continue
 				}
 				if pc.op == opWrite {
-					if pc.slot = l.spare; pc.slot != nil {
-						l.spare = nil
-					} else if b, ok := l.st.tryGet(toWire); ok {
-						pc.slot = b
-					} else {
-						break build // the next round, once slots are back
+					var ok bool
+					if pc.slot, ok = l.st.tryGet(toWire, int(pc.n)); !ok {
+						waitStaging = len(batch) == 0
+						break build // the next round, once staging is back
 					}
 					staged = true
 				}
@@ -487,15 +485,16 @@ func (l *lane) writeLoop() {
 			sk.pc.finish(sk.err)
 		}
 		if len(batch) == 0 {
-			if len(skipped) == 0 && len(l.queue) > 0 {
-				// Every slot is out with a copy that outlived its batch:
-				// wait for one.
-				b, err := l.st.get(toWire, l.stop, l.tmo)
+			if waitStaging {
+				// The staging is out with copies that outlived their
+				// batch: wait until some comes back.
+				t := time.NewTimer(l.tmo)
+				err := l.st.wait(toWire, l.stop, t.C)
+				t.Stop()
 				if err != nil && !errors.Is(err, errStopped) {
 					l.fail(fmt.Errorf("tcp: lane to %s: %w", l.p.name, err))
 					return
 				}
-				l.spare = b
 			}
 			continue
 		}
@@ -515,7 +514,7 @@ func (l *lane) stage(batch []*piece) {
 		if pc.slot == nil {
 			continue
 		}
-		c, err := pc.dev.CopyToHost(pc.slot[:pc.n], pc.local)
+		c, err := pc.dev.CopyToHost(pc.slot.b, pc.local)
 		if err != nil {
 			pc.wait = failed{fmt.Errorf("tcp: staging %d bytes at %#x for %s: %w", pc.n, pc.local, l.p.name, err)}
 			continue
@@ -534,7 +533,7 @@ func (f failed) Wait(context.Context) error { return f.err }
 // failed is ended unsent.
 func (l *lane) send(batch []*piece, bufs net.Buffers) error {
 	bufs = bufs[:0]
-	var slots [][]byte // sent with bufs: free once written
+	var slots []*slot // sent with bufs: free once written
 	flush := func() error {
 		if len(bufs) == 0 {
 			return nil
@@ -552,7 +551,9 @@ func (l *lane) send(batch []*piece, bufs net.Buffers) error {
 	}
 	for k, pc := range batch {
 		if pc.slot != nil {
-			if err := flush(); err != nil {
+			if ended(pc.wait) {
+				pc.wait = doneCopy{} // staged already: no need to send what came before first
+			} else if err := flush(); err != nil {
 				l.abandon(batch[k:], l.deadErr("send", err))
 				return err
 			}
@@ -560,7 +561,7 @@ func (l *lane) send(batch []*piece, bufs net.Buffers) error {
 				continue
 			}
 			slots = append(slots, pc.slot)
-			bufs = append(bufs, pc.hdr[:], pc.slot[:pc.n])
+			bufs = append(bufs, pc.hdr[:], pc.slot.b)
 			pc.slot, pc.wait = nil, nil
 			continue
 		}
@@ -719,11 +720,11 @@ func (l *lane) readLoop() {
 // to the device; the finisher ends the piece once the copy ended. An error
 // returned ends the lane.
 func (l *lane) receiveStaged(pc *piece) error {
-	slot, err := l.st.get(fromWire, l.stop, l.tmo)
+	slot, err := l.st.get(fromWire, int(pc.n), l.stop, l.tmo)
 	if err != nil {
 		return fmt.Errorf("%w: tcp lane to %s: %v", transfer.ErrPeerDead, l.p.name, err)
 	}
-	b := slot[:pc.n]
+	b := slot.b
 	if _, err := io.ReadFull(l.br, b); err != nil {
 		l.st.put(fromWire, slot)
 		return l.deadErr("receive", err)
@@ -735,7 +736,7 @@ func (l *lane) receiveStaged(pc *piece) error {
 		return nil
 	}
 	pc.slot, pc.wait = slot, c
-	l.fin <- pc // never blocks: fin holds as many pieces as there are slots
+	l.fin <- pc // blocks only while the finisher catches up
 	return nil
 }
 

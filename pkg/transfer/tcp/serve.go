@@ -40,7 +40,7 @@ type response struct {
 	// a read's payload is the slot, a write's ack is sent once the slot's
 	// bytes are in device memory.
 	wait transfer.Completion
-	slot []byte
+	slot *slot
 	dir  int
 	op   uint8
 	id   uint64
@@ -206,13 +206,13 @@ func (s *server) serveDevice(h reqHeader, reg *transfer.Region, dm transfer.Devi
 	if h.op == opWrite {
 		dir = fromWire
 	}
-	var slot []byte
+	var slot *slot
 	if derr == nil {
 		var ok bool
-		if slot, ok = s.st.tryGet(dir); !ok {
-			s.flush() // the writer frees slots as it sends what is pending
+		if slot, ok = s.st.tryGet(dir, int(h.len)); !ok {
+			s.flush() // the writer frees staging as it sends what is pending
 			var err error
-			if slot, err = s.st.get(dir, nil, s.timeout); err != nil {
+			if slot, err = s.st.get(dir, int(h.len), nil, s.timeout); err != nil {
 				reg.Release()
 				return err
 			}
@@ -235,7 +235,7 @@ func (s *server) serveDevice(h reqHeader, reg *transfer.Region, dm transfer.Devi
 	if derr != nil {
 		return refuse(derr)
 	}
-	b := slot[:h.len]
+	b := slot.b
 	r := response{hold: reg, slot: slot, dir: dir, op: h.op, id: h.id, addr: h.addr, n: h.len}
 	var err error
 	if h.op == opWrite {
@@ -365,8 +365,12 @@ func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ Se
 	for i := range batch {
 		r := &batch[i]
 		if r.wait != nil {
-			send(i)
-			s.settle(r)
+			if ended(r.wait) {
+				r.wait = nil
+			} else {
+				send(i)
+				s.settle(r)
+			}
 		}
 		bufs = append(bufs, r.hdr[:])
 		if len(r.payload) > 0 {

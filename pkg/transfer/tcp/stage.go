@@ -11,24 +11,26 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 )
 
-// Staging directions: each has its own slots, so the side of a lane that
-// sends never waits for slots the side that receives holds (and so never
+// Staging directions: each has its own ring, so the side of a lane that
+// sends never waits for staging the side that receives holds (and so never
 // for the peer).
 const (
 	toWire   = 0 // device -> staging -> socket
 	fromWire = 1 // socket -> staging -> device
 )
 
-// stager is one lane's staging memory for device regions: 2*slots slots of
-// chunk bytes in one allocation, made once at the first device request
-// (from that region's transfer.DeviceMemory) and freed when the lane ends.
+// stager is one lane's staging memory for device regions: a ring of
+// slots*chunk bytes per direction in one allocation, made once at the first
+// device request (from that region's transfer.DeviceMemory) and freed when
+// the lane ends. Pieces take exactly their length from the ring, in order,
+// so small pieces pack; they give it back in about the same order.
 type stager struct {
 	chunk, slots int
 
 	once  sync.Once
 	err   error
 	mem   transfer.Staging
-	pools [2]chan []byte
+	rings [2]ring
 
 	busy   sync.WaitGroup // copies past their context, still holding a slot
 	leaked atomic.Bool    // a copy never ended: the memory must not be freed
@@ -36,65 +38,125 @@ type stager struct {
 
 func newStager(chunk, slots int) *stager { return &stager{chunk: chunk, slots: slots} }
 
+// slot is a piece's span of a ring.
+type slot struct {
+	b          []byte
+	start, end uint64 // ring positions, the padding skipped before b included
+	free       bool
+}
+
+// ring is a byte ring: allocations at the head, released spans retire from
+// the tail in allocation order (one released early waits for those before).
+type ring struct {
+	mu         sync.Mutex
+	buf        []byte
+	head, tail uint64
+	live       []*slot       // allocated, oldest first
+	freed      chan struct{} // a span was released (capacity 1)
+}
+
+func (r *ring) tryAlloc(n int) (*slot, bool) {
+	size := uint64(len(r.buf))
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.live) == 0 {
+		r.head, r.tail = 0, 0 // empty: start over, no wrap needed
+	}
+	pos := r.head % size
+	pad := uint64(0)
+	if pos+uint64(n) > size {
+		pad = size - pos // wrap: the tail end is skipped
+	}
+	if r.head+pad+uint64(n)-r.tail > size {
+		return nil, false
+	}
+	o := (pos + pad) % size
+	s := &slot{b: r.buf[o : o+uint64(n) : o+uint64(n)], start: r.head, end: r.head + pad + uint64(n)}
+	r.head = s.end
+	r.live = append(r.live, s)
+	return s, true
+}
+
+func (r *ring) release(s *slot) {
+	r.mu.Lock()
+	s.free = true
+	k := 0
+	for k < len(r.live) && r.live[k].free {
+		r.tail = r.live[k].end
+		k++
+	}
+	if k > 0 {
+		n := copy(r.live, r.live[k:])
+		clear(r.live[n:])
+		r.live = r.live[:n]
+	}
+	r.mu.Unlock()
+	select {
+	case r.freed <- struct{}{}:
+	default:
+	}
+}
+
 // init allocates the staging memory from dev the first time; later calls
 // return the first call's error.
 func (s *stager) init(dev transfer.DeviceMemory) error {
 	s.once.Do(func() {
-		m, err := dev.AllocStaging(2 * s.slots * s.chunk)
+		per := s.slots * s.chunk
+		m, err := dev.AllocStaging(2 * per)
 		if err != nil {
-			s.err = fmt.Errorf("tcp: %d bytes of staging: %w", 2*s.slots*s.chunk, err)
+			s.err = fmt.Errorf("tcp: %d bytes of staging: %w", 2*per, err)
 			return
 		}
-		if b := m.Bytes(); len(b) < 2*s.slots*s.chunk {
+		if b := m.Bytes(); len(b) < 2*per {
 			m.Close()
-			s.err = fmt.Errorf("tcp: staging of %d bytes, asked for %d", len(b), 2*s.slots*s.chunk)
+			s.err = fmt.Errorf("tcp: staging of %d bytes, asked for %d", len(b), 2*per)
 			return
 		}
 		s.mem = m
 		b := m.Bytes()
-		for d := range s.pools {
-			s.pools[d] = make(chan []byte, s.slots)
-			for i := 0; i < s.slots; i++ {
-				k := (d*s.slots + i) * s.chunk
-				s.pools[d] <- b[k : k+s.chunk : k+s.chunk]
-			}
+		for d := range s.rings {
+			s.rings[d].buf = b[d*per : (d+1)*per : (d+1)*per]
+			s.rings[d].freed = make(chan struct{}, 1)
 		}
 	})
 	return s.err
 }
 
-// tryGet returns a free slot of direction d, if one is.
-func (s *stager) tryGet(d int) ([]byte, bool) {
-	select {
-	case b := <-s.pools[d]:
-		return b, true
-	default:
-		return nil, false
-	}
-}
+// tryGet takes n bytes (at most chunk) of direction d's ring, if free.
+func (s *stager) tryGet(d, n int) (*slot, bool) { return s.rings[d].tryAlloc(n) }
 
-// get waits for a free slot of direction d, at most tmo or until stop.
-func (s *stager) get(d int, stop <-chan struct{}, tmo time.Duration) ([]byte, error) {
-	if b, ok := s.tryGet(d); ok {
-		return b, nil
-	}
+// get waits for n bytes of direction d's ring, at most tmo or until stop.
+func (s *stager) get(d, n int, stop <-chan struct{}, tmo time.Duration) (*slot, error) {
 	t := time.NewTimer(tmo)
 	defer t.Stop()
-	select {
-	case b := <-s.pools[d]:
-		return b, nil
-	case <-stop:
-		return nil, errStopped
-	case <-t.C:
-		return nil, fmt.Errorf("%w: tcp: no staging slot came free for %v (%d slots of %d bytes)", transfer.ErrDeviceCopy, tmo, s.slots, s.chunk)
+	for {
+		if sl, ok := s.tryGet(d, n); ok {
+			return sl, nil
+		}
+		if err := s.wait(d, stop, t.C); err != nil {
+			return nil, fmt.Errorf("%w (%d bytes wanted, after %v)", err, n, tmo)
+		}
 	}
 }
 
-var errStopped = fmt.Errorf("tcp: lane ended")
+// wait returns once some staging of direction d was released (or an
+// earlier release was not yet seen), or fails on stop or expiry.
+func (s *stager) wait(d int, stop <-chan struct{}, expiry <-chan time.Time) error {
+	select {
+	case <-s.rings[d].freed:
+		return nil
+	case <-stop:
+		return errStopped
+	case <-expiry:
+		return fmt.Errorf("%w: tcp: no staging came free (%d bytes per direction)", transfer.ErrDeviceCopy, s.slots*s.chunk)
+	}
+}
 
-func (s *stager) put(d int, b []byte) {
-	if b != nil {
-		s.pools[d] <- b[:cap(b)]
+var errStopped = errors.New("tcp: lane ended")
+
+func (s *stager) put(d int, sl *slot) {
+	if sl != nil {
+		s.rings[d].release(sl)
 	}
 }
 
@@ -103,7 +165,7 @@ func (s *stager) put(d int, b []byte) {
 // returns the slot. A copy that never ends keeps its slot, and the staging
 // memory is then never freed. done gets the copy's result (a context error
 // if it never ended).
-func (s *stager) settle(d int, slot []byte, c transfer.Completion, bound time.Duration, done func(err error, ended bool)) {
+func (s *stager) settle(d int, slot *slot, c transfer.Completion, bound time.Duration, done func(err error, ended bool)) {
 	s.busy.Add(1)
 	go func() {
 		defer s.busy.Done()
@@ -145,3 +207,16 @@ func deviceOf(r *transfer.Region) (transfer.DeviceMemory, error) {
 	}
 	return nil, nil
 }
+
+// ended reports whether c already ended successfully, without waiting
+// (Wait with a done context: a completion that ended reports its result).
+func ended(c transfer.Completion) bool {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return c.Wait(ctx) == nil
+}
+
+// doneCopy is a Completion that ended successfully.
+type doneCopy struct{}
+
+func (doneCopy) Wait(context.Context) error { return nil }

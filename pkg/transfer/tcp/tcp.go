@@ -11,7 +11,13 @@
 // Config.ChunkSize are split into chunks spread over the lanes. The serving
 // side checks every request against its registered regions (Host.HoldLocal)
 // before it touches memory and answers a refused one with an error naming
-// the range. The byte layout is in docs/format/tcp.md.
+// the range.
+//
+// Device memory (a region registered WithMemory of a
+// transfer.DeviceMemory, such as a CUDA pool) is staged on either side:
+// each lane allocates a pinned ring per direction once, and copies between
+// the device and the ring run on the memory's own streams while earlier
+// pieces are on the socket. The byte layout is in docs/format/tcp.md.
 package tcp
 
 import (
