@@ -58,7 +58,6 @@ type server struct {
 	timeout time.Duration
 	closeFn func() // unblocks the reader when the writer fails
 	st      *stager
-	stop    chan struct{} // closed when the reader ends
 	out     chan []response
 	free    chan []response // batches the writer is done with
 	pending []response      // answers not yet handed to the writer
@@ -79,7 +78,7 @@ func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, c
 		st = newStager(defaultStagingChunk, defaultStagingSlots)
 	}
 	return &server{r: bufio.NewReaderSize(r, readBufSize), w: w, hold: hold, timeout: timeout,
-		closeFn: closeFn, st: st, stop: make(chan struct{}), out: make(chan []response, 8), free: make(chan []response, 10)}
+		closeFn: closeFn, st: st, out: make(chan []response, 8), free: make(chan []response, 10)}
 }
 
 // run serves until the stream ends or breaks. It returns the reason (io.EOF
@@ -91,7 +90,6 @@ func (s *server) run() error {
 		s.writeLoop()
 	}()
 	err := s.readLoop()
-	close(s.stop)
 	s.flush()
 	close(s.out)
 	<-done
