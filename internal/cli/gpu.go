@@ -38,8 +38,8 @@ func gpuUnavailable() string {
 // as cuda:<gpu>, read-write (nvlink shares it, tcp stages it): what bench
 // --use-vram uses. The release function unregisters and frees it.
 func allocDevice(ctx context.Context, e *transfer.Engine, size int64, gpu int) (uintptr, func(), error) {
-	if err := nvlink.Available(); err != nil {
-		return 0, nil, fmt.Errorf("--use-vram: %s", gpuUnavailable())
+	if ok, why := gpuPresent(); !ok {
+		return 0, nil, fmt.Errorf("--use-vram: no usable GPU: %s", why)
 	}
 	if size <= 0 {
 		return 0, nil, fmt.Errorf("--use-vram: size %d", size)
