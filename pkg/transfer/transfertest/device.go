@@ -349,7 +349,22 @@ func testDeviceFaults(t *testing.T, nt func() []transfer.Transport, alloc Device
 		bf.SetDelay(2 * time.Millisecond)
 		defer af.SetDelay(0)
 		defer bf.SetDelay(0)
+		type peaker interface {
+			ResetPeak()
+			PeakCopies() int64
+		}
+		for _, f := range []Faulty{af, bf} {
+			if p, ok := f.(peaker); ok {
+				p.ResetPeak()
+			}
+		}
 		healthy(t)
+		// Pipelined: several copies of each side ran at once.
+		for i, f := range []Faulty{af, bf} {
+			if p, ok := f.(peaker); ok && p.PeakCopies() < 2 {
+				t.Errorf("side %d: at most %d copy ran at once: staging is not pipelined", i, p.PeakCopies())
+			}
+		}
 	})
 	t.Run("slower than the bound", func(t *testing.T) {
 		af.SetDelay(bound + time.Second)

@@ -29,6 +29,8 @@ type FakeDevice struct {
 	once  sync.Once
 	wg    sync.WaitGroup
 	count atomic.Int64
+	now   atomic.Int64 // copies running
+	peak  atomic.Int64 // most copies running at once
 }
 
 var _ transfer.DeviceMemory = (*FakeDevice)(nil)
@@ -71,6 +73,13 @@ func (f *FakeDevice) SetFail(err error) {
 
 // Copies is how many copies were enqueued.
 func (f *FakeDevice) Copies() int64 { return f.count.Load() }
+
+// PeakCopies is the most copies that ran at once since the last
+// ResetPeak.
+func (f *FakeDevice) PeakCopies() int64 { return f.peak.Load() }
+
+// ResetPeak starts PeakCopies over.
+func (f *FakeDevice) ResetPeak() { f.peak.Store(0) }
 
 // Data is the device's bytes, for checks (no copy runs when it is read).
 func (f *FakeDevice) Data() []byte { return f.data }
@@ -127,10 +136,14 @@ func (f *FakeDevice) start(what string, addr uint64, copyFn func()) *fakeComplet
 	if p := f.fail.Load(); p != nil {
 		failErr = *p
 	}
+	if n := f.now.Add(1); n > f.peak.Load() {
+		f.peak.Store(n) // racy max: good enough for a gauge
+	}
 	f.wg.Add(1)
 	go func() {
 		defer f.wg.Done()
 		defer close(c.done)
+		defer f.now.Add(-1)
 		if delay > 0 {
 			t := time.NewTimer(delay)
 			select {
