@@ -26,6 +26,9 @@ const (
 // so small pieces pack; they give it back in about the same order.
 type stager struct {
 	chunk, slots int
+	// budget, when set, is shared by the lanes a transport serves: their
+	// staging together stays within it.
+	budget *budget
 
 	once  sync.Once
 	err   error
@@ -102,13 +105,19 @@ func (r *ring) release(s *slot) {
 func (s *stager) init(dev transfer.DeviceMemory) error {
 	s.once.Do(func() {
 		per := s.slots * s.chunk
+		if err := s.budget.take(int64(2 * per)); err != nil {
+			s.err = err
+			return
+		}
 		m, err := dev.AllocStaging(2 * per)
 		if err != nil {
+			s.budget.give(int64(2 * per))
 			s.err = fmt.Errorf("tcp: %d bytes of staging: %w", 2*per, err)
 			return
 		}
 		if b := m.Bytes(); len(b) < 2*per {
 			m.Close()
+			s.budget.give(int64(2 * per))
 			s.err = fmt.Errorf("tcp: staging of %d bytes, asked for %d", len(b), 2*per)
 			return
 		}
@@ -189,7 +198,31 @@ func (s *stager) close() error {
 	if s.mem == nil || s.leaked.Load() {
 		return nil
 	}
+	s.budget.give(int64(2 * s.slots * s.chunk))
 	return s.mem.Close()
+}
+
+// budget bounds the staging bytes of the lanes a transport serves.
+type budget struct {
+	max  int64
+	used atomic.Int64
+}
+
+func (b *budget) take(n int64) error {
+	if b == nil {
+		return nil
+	}
+	if u := b.used.Add(n); u > b.max {
+		b.used.Add(-n)
+		return fmt.Errorf("%w: tcp: the staging of served lanes is at its limit of %d bytes (Config.MaxServedStaging)", transfer.ErrDeviceCopy, b.max)
+	}
+	return nil
+}
+
+func (b *budget) give(n int64) {
+	if b != nil {
+		b.used.Add(-n)
+	}
 }
 
 // deviceOf returns the region's device memory, if it must be staged. A GPU

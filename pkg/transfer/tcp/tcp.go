@@ -57,6 +57,10 @@ type Config struct {
 	// 2*StagingSlots*StagingChunk bytes of staging once, so a peer costs at
 	// most Lanes times that on each side.
 	StagingSlots int
+	// MaxServedStaging bounds the staging of all the lanes this transport
+	// serves together (default 64 lanes' worth, 256 MiB with the other
+	// defaults); a lane past it refuses device requests.
+	MaxServedStaging int64
 }
 
 const (
@@ -80,6 +84,8 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("tcp: config: staging chunk %d not in [0, %d]", c.StagingChunk, MaxChunk)
 	case c.StagingSlots < 0 || c.StagingSlots > 64:
 		return fmt.Errorf("tcp: config: staging slots %d not in [0, 64]", c.StagingSlots)
+	case c.MaxServedStaging < 0:
+		return fmt.Errorf("tcp: config: negative max served staging %d", c.MaxServedStaging)
 	}
 	return nil
 }
@@ -100,6 +106,9 @@ func (c Config) withDefaults() Config {
 	if c.StagingSlots == 0 {
 		c.StagingSlots = defaultStagingSlots
 	}
+	if c.MaxServedStaging == 0 {
+		c.MaxServedStaging = 64 * 2 * int64(c.StagingSlots) * int64(c.StagingChunk)
+	}
 	return c
 }
 
@@ -110,6 +119,7 @@ type Transport struct {
 	cfgErr error
 	h      transfer.Host
 	lg     *zap.Logger
+	served *budget // staging of served lanes
 
 	mu     sync.Mutex
 	peers  map[string]*peer // by segment name
@@ -128,6 +138,7 @@ var (
 // New returns a tcp transport. An invalid cfg makes Start fail.
 func New(cfg Config) *Transport {
 	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), peers: map[string]*peer{}}
+	t.served = &budget{max: t.cfg.MaxServedStaging}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	return t
 }
@@ -203,7 +214,9 @@ func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, r
 // it closes.
 func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 	defer conn.Close()
-	s := newServer(conn, conn, t.h.HoldLocal, t.h.Timeout(), func() { conn.Close() }, newStager(t.cfg.StagingChunk, t.cfg.StagingSlots))
+	st := newStager(t.cfg.StagingChunk, t.cfg.StagingSlots)
+	st.budget = t.served
+	s := newServer(conn, conn, t.h.HoldLocal, t.h.Timeout(), func() { conn.Close() }, st)
 	err := s.run()
 	if err != nil && !isClosed(err) && t.lg.Core().Enabled(zap.DebugLevel) {
 		t.lg.Debug("lane ended", zap.String("peer", from.Name), zap.Error(err))

@@ -43,7 +43,8 @@ func TestProcess(t *testing.T) {
 }
 
 func TestConfigValidate(t *testing.T) {
-	for _, c := range []tcp.Config{{Lanes: -1}, {MaxInflight: -1}, {ChunkSize: tcp.MaxChunk + 1}} {
+	for _, c := range []tcp.Config{{Lanes: -1}, {MaxInflight: -1}, {ChunkSize: tcp.MaxChunk + 1}, {StagingChunk: -1},
+		{StagingChunk: tcp.MaxChunk + 1}, {StagingSlots: 65}, {MaxServedStaging: -1}} {
 		if err := c.Validate(); err == nil {
 			t.Errorf("%+v: no error", c)
 		}
@@ -230,5 +231,30 @@ func TestDeviceWithoutCopies(t *testing.T) {
 	err = b.E.Transfer(ctx, []transfer.Request{{Op: transfer.Write, Local: uintptr(f.Base()), Len: 100, Segment: seg, Remote: am.Addr()}})
 	if !errors.Is(err, transfer.ErrDeviceCopy) || !strings.Contains(err.Error(), "DeviceMemory") {
 		t.Fatalf("transfer from GPU memory without copies: %v", err)
+	}
+}
+
+// TestServedStagingBudget: a target whose served lanes' staging is at its
+// limit refuses device requests (ErrDeviceCopy naming the limit) and still
+// serves host memory.
+func TestServedStagingBudget(t *testing.T) {
+	small := func() []transfer.Transport {
+		return []transfer.Transport{tcp.New(tcp.Config{MaxServedStaging: 1 << 20})}
+	}
+	b := transfertest.NewNode(t, small, nil)
+	bd := b.AllocDevice(t, transfertest.FakeDevices, 1<<20, transfer.AccessReadWrite)
+	bh := b.Alloc(t, 1<<20, transfer.AccessReadWrite)
+	a := transfertest.NewNode(t, newTransports, nil)
+	am := a.Alloc(t, 1<<20, transfer.AccessReadWrite)
+	seg, err := a.E.OpenSegment(context.Background(), b.E.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = a.E.Transfer(context.Background(), []transfer.Request{{Op: transfer.Write, Local: uintptr(am.Addr()), Len: 4096, Segment: seg, Remote: bd.Addr}})
+	if !errors.Is(err, transfer.ErrDeviceCopy) || !strings.Contains(err.Error(), "MaxServedStaging") {
+		t.Fatalf("device write past the staging budget: %v", err)
+	}
+	if err := a.E.Transfer(context.Background(), []transfer.Request{{Op: transfer.Write, Local: uintptr(am.Addr()), Len: 4096, Segment: seg, Remote: bh.Addr()}}); err != nil {
+		t.Fatalf("host write: %v", err)
 	}
 }
