@@ -170,9 +170,18 @@ func buffer(ctx context.Context, cfg TransferConfig, deps Deps, e *transfer.Engi
 			return 0, nil, nil, errors.New("bench: --use-vram: no GPU memory support in this build")
 		}
 		a, free, err := deps.AllocDevice(ctx, e, cfg.BufferSize, cfg.GPUID)
+		if err != nil {
+			return 0, nil, nil, err
+		}
 		// The raw-TCP baseline streams host memory: the same sockets
-		// without the GPU.
-		return a, make([]byte, min(cfg.BufferSize, rawScratch)), free, err
+		// without the GPU. Its connections share the scratch (the bytes
+		// are dropped), which lies outside the Go heap.
+		scratch, err := transfer.AllocHost(min(cfg.BufferSize, rawScratch), "bench-raw")
+		if err != nil {
+			free()
+			return 0, nil, nil, err
+		}
+		return a, scratch.Bytes(), func() { free(); scratch.Close() }, nil
 	}
 	m, err := e.AllocHost(ctx, cfg.BufferSize, 0, transfer.AccessReadWrite)
 	if err != nil {
