@@ -130,7 +130,8 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*poolCopies) 
 // microseconds, so a short backoff costs little and needs no goroutine.
 type poolCompletion struct {
 	c    *poolCopies
-	ev   *Event
+	ev   *Event // nil once the copy ended
+	res  error  // the copy's result, once it ended
 	what string
 	n    int
 	dev  uint64
@@ -139,7 +140,7 @@ type poolCompletion struct {
 
 func (pc *poolCompletion) Wait(ctx context.Context) error {
 	if pc.ev == nil {
-		return fmt.Errorf("%w: %s: Wait after the result was returned", transfer.ErrDeviceCopy, pc.what)
+		return pc.res
 	}
 	sleep := time.Duration(0)
 	var t *time.Timer
@@ -153,7 +154,8 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 		if err != nil {
 			pc.ev.Destroy() // the context is broken: do not reuse it
 			pc.ev = nil
-			return fmt.Errorf("%w: %s of %d bytes at %#x on GPU %d: %v", transfer.ErrDeviceCopy, pc.what, pc.n, pc.dev, pc.gpu, err)
+			pc.res = fmt.Errorf("%w: %s of %d bytes at %#x on GPU %d: %v", transfer.ErrDeviceCopy, pc.what, pc.n, pc.dev, pc.gpu, err)
+			return pc.res
 		}
 		if done {
 			pc.c.mu.Lock()

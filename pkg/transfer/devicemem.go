@@ -48,8 +48,9 @@ type Completion interface {
 	// ErrDeviceCopy. If ctx ends first it returns ctx's error and the copy
 	// may still be using its host buffer: the caller must not reuse the
 	// buffer until a later Wait returns something other than a context
-	// error. Wait may be called again after a context error, not after the
-	// copy's result was returned.
+	// error. Wait may be called again; once the copy ended it returns the
+	// same result. A copy that ended reports its result even to a ctx
+	// that is already done, so such a ctx polls. Calls must not overlap.
 	Wait(ctx context.Context) error
 }
 
