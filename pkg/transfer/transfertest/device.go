@@ -150,7 +150,9 @@ func transferBufs(t testing.TB, a *transfer.Engine, seg transfer.SegmentID, loca
 // returns and device memory from alloc (registered at DeviceLocation).
 func RunDevice(t *testing.T, newTransports func() []transfer.Transport, alloc DeviceAlloc) {
 	t.Run("Data", func(t *testing.T) { testDeviceData(t, newTransports, alloc) })
+	t.Run("Concurrent", func(t *testing.T) { testDeviceConcurrent(t, newTransports, alloc) })
 	t.Run("OutOfBounds", func(t *testing.T) { testDeviceBounds(t, newTransports, alloc) })
+	t.Run("UnregisteredAfterOpen", func(t *testing.T) { testDeviceUnregisteredAfterOpen(t, newTransports, alloc) })
 	t.Run("ReadOnly", func(t *testing.T) { testDeviceReadOnly(t, newTransports, alloc) })
 	t.Run("UnregisterAfterTransfers", func(t *testing.T) { testDeviceUnregister(t, newTransports, alloc) })
 	t.Run("Faults", func(t *testing.T) { testDeviceFaults(t, newTransports, alloc) })
@@ -379,4 +381,65 @@ func testDeviceFaults(t *testing.T, nt func() []transfer.Transport, alloc Device
 		}
 		healthy(t) // the late copies give their slots back
 	})
+}
+
+// testDeviceConcurrent: batches from several goroutines at once, device to
+// device, each over its own part of the buffers.
+func testDeviceConcurrent(t *testing.T, nt func() []transfer.Transport, alloc DeviceAlloc) {
+	a, b := NewNode(t, nt, nil), NewNode(t, nt, nil)
+	const size = 8 << 20
+	ad, bd := a.AllocDevice(t, alloc, size, transfer.AccessReadWrite), b.AllocDevice(t, alloc, size, transfer.AccessReadWrite)
+	seg := open(t, a.E, b.E.Name())
+	data := make([]byte, size)
+	fillRandom(rand.New(rand.NewPCG(29, 30)), data)
+	ad.store(t, data)
+	const workers = 4
+	part := size / workers
+	errs := make(chan error, workers)
+	for w := 0; w < workers; w++ {
+		go func() {
+			var reqs []transfer.Request
+			for off := w * part; off+1000 <= (w+1)*part; off += 4099 {
+				reqs = append(reqs, transfer.Request{Op: transfer.Write, Local: uintptr(ad.Addr) + uintptr(off), Len: 1000,
+					Segment: seg, Remote: bd.Addr + uint64(off)})
+			}
+			for i := 0; i < 3; i++ {
+				if err := a.E.Transfer(context.Background(), reqs); err != nil {
+					errs <- err
+					return
+				}
+			}
+			errs <- nil
+		}()
+	}
+	for w := 0; w < workers; w++ {
+		if err := <-errs; err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := bytesOf(Poison, size)
+	for w := 0; w < workers; w++ {
+		for off := w * part; off+1000 <= (w+1)*part; off += 4099 {
+			copy(want[off:off+1000], data[off:off+1000])
+		}
+	}
+	checkBytes(t, "device memory after concurrent batches", bd.load(t, size), want)
+}
+
+// testDeviceUnregisteredAfterOpen: the target unregisters a device region
+// the initiator still believes in; the target itself refuses the access.
+func testDeviceUnregisteredAfterOpen(t *testing.T, nt func() []transfer.Transport, alloc DeviceAlloc) {
+	a, b := NewNode(t, nt, nil), NewNode(t, nt, nil)
+	ad := a.AllocDevice(t, alloc, 1<<20, transfer.AccessReadWrite)
+	b.AllocDevice(t, alloc, 1<<20, transfer.AccessReadWrite) // keeps the peer's lanes in use
+	gone := b.AllocDevice(t, alloc, 1<<20, transfer.AccessReadWrite)
+	seg := open(t, a.E, b.E.Name())
+	ctx := context.Background()
+	if err := b.E.UnregisterMemory(ctx, uintptr(gone.Addr)); err != nil {
+		t.Fatal(err)
+	}
+	remote := gone.Addr + 4096
+	err := a.E.Transfer(ctx, []transfer.Request{{Op: transfer.Write, Local: uintptr(ad.Addr), Len: 8192, Segment: seg, Remote: remote}})
+	mustRefuse(t, err, transfer.ErrOutOfBounds, remote, 8192)
+	checkBytes(t, "unregistered device memory", gone.load(t, 1<<20), bytesOf(Poison, 1<<20))
 }
