@@ -24,8 +24,9 @@ type Memory interface {
 // DeviceMemory is Memory the CPU cannot address (GPU memory). Transports
 // that move bytes through host memory (tcp; rdma without GPUDirect) stage
 // it: they copy between it and host staging buffers from AllocStaging.
-// Copies run on the implementation's own stream(s), in the order enqueued
-// per direction; all methods are safe for concurrent use.
+// Copies run on the implementation's own stream(s) and may end in any
+// order: each has its own Completion. All methods are safe for concurrent
+// use.
 type DeviceMemory interface {
 	Memory
 	// CopyToHost enqueues a copy of len(dst) bytes from device address src
