@@ -424,88 +424,113 @@ type skip struct {
 }
 
 func (l *lane) writeLoop() {
-	var batch []*piece
-	var skipped []skip
+	var cur, next []*piece
 	bufs := make(net.Buffers, 0, 2*maxSendBatch)
 	for {
-		l.mu.Lock()
-		for l.err == nil && (len(l.queue) == 0 || len(l.inflight) >= l.max) {
-			l.cond.Wait()
-		}
-		if l.err != nil {
-			l.mu.Unlock()
-			return
-		}
-		idle := len(l.inflight) == 0
-		batch, skipped = batch[:0], skipped[:0]
-		var size uint64
-		staged, waitStaging := false, false
-		i := 0
-	build:
-		for ; i < len(l.queue) && len(l.inflight) < l.max && len(batch) < maxSendBatch && size < maxWriteBytes; i++ {
-			pc := l.queue[i]
-			if pc.ctx.Err() != nil {
-				skipped = append(skipped, skip{pc, fmt.Errorf("tcp: not sent to %s: %w", l.p.name, pc.ctx.Err())})
+		if len(cur) == 0 {
+			var ok bool
+			if cur, ok = l.collect(cur[:0], true); !ok {
+				return
+			}
+			if len(cur) == 0 {
 				continue
 			}
-			if pc.dev != nil {
-				if err := l.st.init(pc.dev); err != nil {
-					skipped = append(skipped, skip{pc, err})
-					continue
-				}
-				if pc.op == opWrite {
-					var ok bool
-					if pc.slot, ok = l.st.tryGet(toWire, int(pc.n)); !ok {
-						waitStaging = len(batch) == 0
-						break build // the next round, once staging is back
-					}
-					staged = true
-				}
-			}
-			l.next++
-			(&reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}).put(pc.hdr[:])
-			if pc.slot == nil {
-				// A staged write enters inflight once its bytes are staged.
-				l.inflight[l.next] = pc
-			}
-			batch = append(batch, pc)
-			if pc.op == opWrite {
-				size += pc.n
-			}
 		}
-		rest := copy(l.queue, l.queue[i:])
-		clear(l.queue[rest:])
-		l.queue = l.queue[:rest]
-		if len(batch) > 0 {
-			l.pushDeadlineLocked(idle)
-		}
-		l.mu.Unlock()
-		for _, sk := range skipped {
-			l.load.Add(-int64(sk.pc.n) - reqSize)
-			sk.pc.finish(sk.err)
-		}
-		if len(batch) == 0 {
-			if waitStaging {
-				// The staging is out with copies that outlived their
-				// batch: wait until some comes back.
-				t := time.NewTimer(l.tmo)
-				err := l.st.wait(toWire, l.stop, t.C)
-				t.Stop()
-				if err != nil && !errors.Is(err, errStopped) {
-					l.fail(fmt.Errorf("tcp: lane to %s: %w", l.p.name, err))
-					return
-				}
-			}
-			continue
-		}
-		if staged {
-			l.stage(batch)
-		}
-		if err := l.send(batch, bufs); err != nil {
-			l.fail(l.deadErr("send", err))
+		// Take and stage the next batch before sending this one, so its
+		// copies run while this one is on the socket (each batch stages at
+		// most half the ring).
+		next, _ = l.collect(next[:0], false)
+		if err := l.send(cur, bufs); err != nil {
+			err = l.deadErr("send", err)
+			l.abandon(next, err)
+			l.fail(err)
 			return
 		}
+		clear(cur)
+		cur, next = next, cur
 	}
+}
+
+// collect takes the next batch off the queue into batch and starts the
+// copies of its staged writes; with wait, it first waits for work (and, if
+// the staging is out, for some to come back). It reports false once the
+// lane has failed.
+func (l *lane) collect(batch []*piece, wait bool) ([]*piece, bool) {
+	var skipped []skip
+	l.mu.Lock()
+	for wait && l.err == nil && (len(l.queue) == 0 || len(l.inflight) >= l.max) {
+		l.cond.Wait()
+	}
+	if l.err != nil {
+		l.mu.Unlock()
+		return batch, false
+	}
+	idle := len(l.inflight) == 0
+	var size, stagedBytes uint64
+	staged, waitStaging := false, false
+	half := uint64(l.st.slots*l.st.chunk) / 2
+	i := 0
+build:
+	for ; i < len(l.queue) && len(l.inflight) < l.max && len(batch) < maxSendBatch && size < maxWriteBytes; i++ {
+		pc := l.queue[i]
+		if pc.ctx.Err() != nil {
+			skipped = append(skipped, skip{pc, fmt.Errorf("tcp: not sent to %s: %w", l.p.name, pc.ctx.Err())})
+			continue
+		}
+		if pc.dev != nil {
+			if err := l.st.init(pc.dev); err != nil {
+				skipped = append(skipped, skip{pc, err})
+				continue
+			}
+			if pc.op == opWrite {
+				if staged && stagedBytes+pc.n > half {
+					break build // the rest goes with the next batch
+				}
+				var ok bool
+				if pc.slot, ok = l.st.tryGet(toWire, int(pc.n)); !ok {
+					waitStaging = len(batch) == 0
+					break build // the next round, once staging is back
+				}
+				staged, stagedBytes = true, stagedBytes+pc.n
+			}
+		}
+		l.next++
+		(&reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}).put(pc.hdr[:])
+		if pc.slot == nil {
+			// A staged write enters inflight once its bytes are staged.
+			l.inflight[l.next] = pc
+		}
+		batch = append(batch, pc)
+		if pc.op == opWrite {
+			size += pc.n
+		}
+	}
+	rest := copy(l.queue, l.queue[i:])
+	clear(l.queue[rest:])
+	l.queue = l.queue[:rest]
+	if len(batch) > 0 {
+		l.pushDeadlineLocked(idle)
+	}
+	l.mu.Unlock()
+	for _, sk := range skipped {
+		l.load.Add(-int64(sk.pc.n) - reqSize)
+		sk.pc.finish(sk.err)
+	}
+	if len(batch) == 0 && wait && waitStaging {
+		// The staging is out with copies that outlived their batch: wait
+		// until some comes back.
+		t := time.NewTimer(l.tmo)
+		err := l.st.wait(toWire, l.stop, t.C)
+		t.Stop()
+		if err != nil && !errors.Is(err, errStopped) {
+			l.fail(fmt.Errorf("tcp: lane to %s: %w", l.p.name, err))
+			return batch, false
+		}
+	}
+	if staged {
+		l.stage(batch)
+	}
+	return batch, true
 }
 
 // stage starts the copies of the batch's staged writes into their slots.
