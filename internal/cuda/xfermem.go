@@ -143,7 +143,8 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*Stream) erro
 }
 
 // poolCompletion polls its event: a copy of a staging chunk takes tens of
-// microseconds, so a short backoff costs little and needs no goroutine.
+// microseconds, so a short backoff (at most 50 µs between polls) costs
+// little and needs no goroutine.
 type poolCompletion struct {
 	c    *poolCopies
 	ev   *Event // nil once the copy ended
@@ -188,7 +189,7 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 			sleep = 2 * time.Microsecond
 			runtime.Gosched()
 			continue
-		case sleep < 200*time.Microsecond:
+		case sleep < 50*time.Microsecond:
 			sleep *= 2
 		}
 		if t == nil {
