@@ -330,8 +330,9 @@ type lane struct {
 	lastDL   time.Time // when the read deadline was last pushed
 
 	st   *stager
-	stop chan struct{} // closed by fail
-	fin  chan *piece   // staged reads whose copy to the device runs
+	done context.Context // already done: polls completions
+	stop chan struct{}   // closed by fail
+	fin  chan *piece     // staged reads whose copy to the device runs
 	lwg  sync.WaitGroup
 }
 
@@ -339,7 +340,7 @@ func newLane(p *peer, c net.Conn) *lane {
 	cfg := p.t.cfg
 	l := &lane{p: p, conn: c, br: bufio.NewReaderSize(c, readBufSize), max: cfg.MaxInflight,
 		tmo: p.t.h.Timeout(), inflight: map[uint64]*piece{}, st: newStager(cfg.StagingChunk, cfg.StagingSlots),
-		stop: make(chan struct{}), fin: make(chan *piece, finQueue)}
+		stop: make(chan struct{}), fin: make(chan *piece, finQueue), done: doneContext()}
 	l.cond.L = &l.mu
 	return l
 }
@@ -576,7 +577,7 @@ func (l *lane) send(batch []*piece, bufs net.Buffers) error {
 	}
 	for k, pc := range batch {
 		if pc.slot != nil {
-			if ended(pc.wait) {
+			if ended(l.done, pc.wait) {
 				pc.wait = doneCopy{} // staged already: no need to send what came before first
 			} else if err := flush(); err != nil {
 				l.abandon(batch[k:], l.deadErr("send", err))

@@ -58,6 +58,7 @@ type server struct {
 	timeout time.Duration
 	closeFn func() // unblocks the reader when the writer fails
 	st      *stager
+	done    context.Context // already done: polls completions
 	out     chan []response
 	free    chan []response // batches the writer is done with
 	pending []response      // answers not yet handed to the writer
@@ -78,7 +79,7 @@ func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, c
 		st = newStager(defaultStagingChunk, defaultStagingSlots)
 	}
 	return &server{r: bufio.NewReaderSize(r, readBufSize), w: w, hold: hold, timeout: timeout,
-		closeFn: closeFn, st: st, out: make(chan []response, 8), free: make(chan []response, 10)}
+		closeFn: closeFn, st: st, done: doneContext(), out: make(chan []response, 8), free: make(chan []response, 10)}
 }
 
 // run serves until the stream ends or breaks. It returns the reason (io.EOF
@@ -363,7 +364,7 @@ func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ Se
 	for i := range batch {
 		r := &batch[i]
 		if r.wait != nil {
-			if ended(r.wait) {
+			if ended(s.done, r.wait) {
 				r.wait = nil
 			} else {
 				send(i)

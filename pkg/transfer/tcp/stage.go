@@ -241,12 +241,16 @@ func deviceOf(r *transfer.Region) (transfer.DeviceMemory, error) {
 	return nil, nil
 }
 
-// ended reports whether c already ended successfully, without waiting
-// (Wait with a done context: a completion that ended reports its result).
-func ended(c transfer.Completion) bool {
+// ended reports whether c already ended successfully, without waiting:
+// done is a context that is already done (a completion that ended reports
+// its result even then).
+func ended(done context.Context, c transfer.Completion) bool { return c.Wait(done) == nil }
+
+// doneContext returns a context that is already done.
+func doneContext() context.Context {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	return c.Wait(ctx) == nil
+	return ctx
 }
 
 // doneCopy is a Completion that ended successfully.
