@@ -111,6 +111,9 @@ const RawKind = "bench-raw"
 // RawChunk is the size of one write of the raw baseline.
 const RawChunk = 1 << 20
 
+// rawScratch bounds the host buffer of the raw baseline with --use-vram.
+const rawScratch = 64 << 20
+
 // Result is one initiator run (the --json object).
 type Result struct {
 	Transport   string    `json:"transport"`
@@ -167,7 +170,18 @@ func buffer(ctx context.Context, cfg TransferConfig, deps Deps, e *transfer.Engi
 			return 0, nil, nil, errors.New("bench: --use-vram: no GPU memory support in this build")
 		}
 		a, free, err := deps.AllocDevice(ctx, e, cfg.BufferSize, cfg.GPUID)
-		return a, nil, free, err
+		if err != nil {
+			return 0, nil, nil, err
+		}
+		// The raw-TCP baseline streams host memory: the same sockets
+		// without the GPU. Its connections share the scratch (the bytes
+		// are dropped), which lies outside the Go heap.
+		scratch, err := transfer.AllocHost(min(cfg.BufferSize, rawScratch), "bench-raw")
+		if err != nil {
+			free()
+			return 0, nil, nil, err
+		}
+		return a, scratch.Bytes(), func() { free(); scratch.Close() }, nil
 	}
 	m, err := e.AllocHost(ctx, cfg.BufferSize, 0, transfer.AccessReadWrite)
 	if err != nil {
@@ -275,10 +289,9 @@ func runInitiator(ctx context.Context, cfg TransferConfig, deps Deps) (*Result, 
 		case "tcp":
 			kind, conns = "raw-tcp", lanes(e.Self())
 		case "shm":
-			kind = "memcpy"
-		}
-		if kind != "" && buf == nil {
-			kind = "" // no host buffer (VRAM): no baseline
+			if !cfg.UseVRAM {
+				kind = "memcpy"
+			}
 		}
 		if kind != "" {
 			base = &Baseline{Kind: kind, Conns: conns}

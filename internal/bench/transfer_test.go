@@ -18,6 +18,7 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
 func tcpDeps(lanes int) Deps {
@@ -172,6 +173,71 @@ func TestScatterSlots(t *testing.T) {
 				t.Fatalf("n %d stride %d: slot %d repeated or out of range", n, s, v)
 			}
 			seen[v] = true
+		}
+	}
+}
+
+// fakeVRAM is Deps.AllocDevice over transfertest.FakeDevice: device memory
+// that tcp must stage.
+func fakeVRAM(ctx context.Context, e *transfer.Engine, size int64, gpu int) (uintptr, func(), error) {
+	f, err := transfertest.NewFakeDevice(int(size))
+	if err != nil {
+		return 0, nil, err
+	}
+	if err := e.RegisterMemory(ctx, uintptr(f.Base()), uint64(size), transfer.Location{Kind: transfer.CUDA, Index: gpu},
+		transfer.AccessReadWrite, transfer.WithMemory(f)); err != nil {
+		f.Close()
+		return 0, nil, err
+	}
+	return uintptr(f.Base()), func() { e.UnregisterMemory(context.Background(), uintptr(f.Base())); f.Close() }, nil
+}
+
+// TestRunTransferVRAM: --use-vram over tcp, GPU->GPU and GPU->host, with
+// the raw-TCP baseline of the same processes.
+func TestRunTransferVRAM(t *testing.T) {
+	deps := tcpDeps(2)
+	deps.AllocDevice = fakeVRAM
+	for _, targetVRAM := range []bool{true, false} {
+		ctx, cancel := context.WithCancel(context.Background())
+		pr, pw := io.Pipe()
+		tcfg := DefaultTransferConfig()
+		tcfg.Mode, tcfg.BufferSize, tcfg.UseVRAM = "target", 8<<20, targetVRAM
+		done := make(chan error, 1)
+		go func() { done <- RunTransfer(ctx, tcfg, deps, pw); pw.Close() }()
+		sc := bufio.NewScanner(pr)
+		var name string
+		for sc.Scan() {
+			if s, ok := strings.CutPrefix(sc.Text(), "listening on "); ok {
+				name = s
+				break
+			}
+		}
+		go io.Copy(io.Discard, pr)
+		if name == "" {
+			cancel()
+			t.Fatal("target did not say where it listens")
+		}
+		for _, op := range []string{"write", "read"} {
+			c := DefaultTransferConfig()
+			c.SegmentID, c.Operation, c.BufferSize, c.BatchSize, c.Threads = name, op, 8<<20, 16, 2
+			c.Duration, c.Baseline, c.JSON, c.UseVRAM = 200*time.Millisecond, true, true, true
+			var out bytes.Buffer
+			if err := RunTransfer(context.Background(), c, deps, &out); err != nil {
+				cancel()
+				t.Fatalf("target vram %v, %s: %v", targetVRAM, op, err)
+			}
+			var r Result
+			if err := json.Unmarshal(out.Bytes(), &r); err != nil {
+				t.Fatalf("json %q: %v", out.String(), err)
+			}
+			if r.Transport != "tcp" || r.Bytes == 0 || r.Baseline == nil || r.Baseline.Kind != "raw-tcp" || r.Ratio <= 0 {
+				t.Fatalf("target vram %v, %s: result %+v", targetVRAM, op, r)
+			}
+			t.Logf("target vram %v, %s: %.2f GB/s, raw %.2f GB/s", targetVRAM, op, r.GBps, r.Baseline.GBps)
+		}
+		cancel()
+		if err := <-done; err != nil {
+			t.Fatal(err)
 		}
 	}
 }

@@ -144,11 +144,12 @@ func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *tran
 	b.close = append(b.close, be.Close)
 	b.pages = kvcache.NewAllocator(b.layout.Pages)
 	loc := transfer.Location{Kind: transfer.CUDA, Index: f.baseGPU}
-	// GPU memory is reachable by same-machine peers only (nvlink): there
-	// is no network transport for GPU memory in this build (no RDMA).
+	// A VMM pool is shared by nvlink and staged by tcp for peers on any
+	// machine; memory from cuMemAlloc (no pool) only nvlink reaches, over
+	// legacy IPC, so same-machine peers only.
 	opts := []transfer.RegisterOption{transfer.WithScope(transfer.ScopeSameMachine)}
 	if p := be.KVPool(); p != nil {
-		opts = append(opts, transfer.WithMemory(p))
+		opts = []transfer.RegisterOption{transfer.WithMemory(p)}
 	}
 	if err := te.RegisterMemory(ctx, uintptr(be.KVBase()), be.KVSize(), loc, transfer.AccessReadWrite, opts...); err != nil {
 		b.shutdown(lg)

@@ -35,11 +35,11 @@ func gpuUnavailable() string {
 
 // allocDevice allocates a VMM pool of size bytes on GPU gpu (POSIX-FD
 // shareable, or FABRIC where a trial allocation succeeds) and registers it
-// as cuda:<gpu>, read-write, for same-machine peers: what bench --use-vram
-// uses. The release function unregisters and frees it.
+// as cuda:<gpu>, read-write (nvlink shares it, tcp stages it): what bench
+// --use-vram uses. The release function unregisters and frees it.
 func allocDevice(ctx context.Context, e *transfer.Engine, size int64, gpu int) (uintptr, func(), error) {
-	if err := nvlink.Available(); err != nil {
-		return 0, nil, fmt.Errorf("--use-vram: %s", gpuUnavailable())
+	if ok, why := gpuPresent(); !ok {
+		return 0, nil, fmt.Errorf("--use-vram: no usable GPU: %s", why)
 	}
 	if size <= 0 {
 		return 0, nil, fmt.Errorf("--use-vram: size %d", size)
@@ -64,7 +64,7 @@ func allocDevice(ctx context.Context, e *transfer.Engine, size int64, gpu int) (
 		return 0, nil, fmt.Errorf("--use-vram --gpu-id %d: %w", gpu, err)
 	}
 	err = e.RegisterMemory(ctx, uintptr(pool.Ptr()), uint64(size), transfer.Location{Kind: transfer.CUDA, Index: gpu},
-		transfer.AccessReadWrite, transfer.WithMemory(pool), transfer.WithScope(transfer.ScopeSameMachine))
+		transfer.AccessReadWrite, transfer.WithMemory(pool))
 	if err != nil {
 		pool.Close()
 		c.Release()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -16,13 +17,19 @@ import (
 // host memory (tcp), without importing this package.
 var _ transfer.DeviceMemory = (*Pool)(nil)
 
-// poolCopies are a pool's copy streams (one per direction, so copies to
-// the host overlap copies from it) and their reusable events.
+// copyStreams is how many streams a pool copies on per direction: copies
+// are spread over them in turn, so one caller's long run of copies does
+// not queue every other caller's behind it.
+const copyStreams = 4
+
+// poolCopies are a pool's copy streams (per direction, so copies to the
+// host overlap copies from it) and their reusable events.
 type poolCopies struct {
 	once     sync.Once
 	err      error
-	toHost   *Stream
-	fromHost *Stream
+	toHost   [copyStreams]*Stream
+	fromHost [copyStreams]*Stream
+	next     atomic.Uint32
 	mu       sync.Mutex // guards free
 	free     []*Event
 }
@@ -52,12 +59,13 @@ func (p *Pool) Share() (transfer.SharedHandle, error) {
 func (p *Pool) copies() (*poolCopies, error) {
 	c := &p.xfer
 	c.once.Do(func() {
-		if c.toHost, c.err = p.ctx.NewStream(StreamNonBlocking); c.err != nil {
-			return
+		for i := 0; i < copyStreams && c.err == nil; i++ {
+			if c.toHost[i], c.err = p.ctx.NewStream(StreamNonBlocking); c.err == nil {
+				c.fromHost[i], c.err = p.ctx.NewStream(StreamNonBlocking)
+			}
 		}
-		if c.fromHost, c.err = p.ctx.NewStream(StreamNonBlocking); c.err != nil {
-			c.toHost.Destroy()
-			c.toHost = nil
+		if c.err != nil {
+			c.destroyStreams()
 		}
 	})
 	if c.err != nil {
@@ -78,22 +86,29 @@ func (p *Pool) checkRange(what string, dev uint64, n int) error {
 	return nil
 }
 
+func (c *poolCopies) destroyStreams() {
+	for i := range c.toHost {
+		c.toHost[i].Destroy()
+		c.fromHost[i].Destroy()
+	}
+}
+
 // CopyToHost enqueues a copy of len(dst) bytes at src into dst (pinned
 // staging from AllocStaging).
 func (p *Pool) CopyToHost(dst []byte, src uint64) (transfer.Completion, error) {
-	return p.enqueue("copy to host", src, len(dst), func(c *poolCopies) error {
-		return c.toHost.MemcpyDtoH(unsafe.Pointer(unsafe.SliceData(dst)), DevicePtr(src), uint64(len(dst)))
+	return p.enqueue("copy to host", src, len(dst), func(s *Stream) error {
+		return s.MemcpyDtoH(unsafe.Pointer(unsafe.SliceData(dst)), DevicePtr(src), uint64(len(dst)))
 	}, false)
 }
 
 // CopyFromHost enqueues a copy of src (pinned staging) to dst.
 func (p *Pool) CopyFromHost(dst uint64, src []byte) (transfer.Completion, error) {
-	return p.enqueue("copy from host", dst, len(src), func(c *poolCopies) error {
-		return c.fromHost.MemcpyHtoD(DevicePtr(dst), unsafe.Pointer(unsafe.SliceData(src)), uint64(len(src)))
+	return p.enqueue("copy from host", dst, len(src), func(s *Stream) error {
+		return s.MemcpyHtoD(DevicePtr(dst), unsafe.Pointer(unsafe.SliceData(src)), uint64(len(src)))
 	}, true)
 }
 
-func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*poolCopies) error, fromHost bool) (transfer.Completion, error) {
+func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*Stream) error, fromHost bool) (transfer.Completion, error) {
 	if err := p.checkRange(what, dev, n); err != nil {
 		return nil, err
 	}
@@ -101,9 +116,10 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*poolCopies) 
 	if err != nil {
 		return nil, err
 	}
-	s := c.toHost
+	k := c.next.Add(1) % copyStreams
+	s := c.toHost[k]
 	if fromHost {
-		s = c.fromHost
+		s = c.fromHost[k]
 	}
 	c.mu.Lock()
 	var ev *Event
@@ -116,7 +132,7 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*poolCopies) 
 			return nil, fmt.Errorf("%w: %s: %v", transfer.ErrDeviceCopy, what, err)
 		}
 	}
-	if err := copyFn(c); err == nil {
+	if err = copyFn(s); err == nil {
 		err = ev.Record(s)
 	}
 	if err != nil {
@@ -127,10 +143,12 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*poolCopies) 
 }
 
 // poolCompletion polls its event: a copy of a staging chunk takes tens of
-// microseconds, so a short backoff costs little and needs no goroutine.
+// microseconds, so a short backoff (at most 50 µs between polls) costs
+// little and needs no goroutine.
 type poolCompletion struct {
 	c    *poolCopies
-	ev   *Event
+	ev   *Event // nil once the copy ended
+	res  error  // the copy's result, once it ended
 	what string
 	n    int
 	dev  uint64
@@ -139,7 +157,7 @@ type poolCompletion struct {
 
 func (pc *poolCompletion) Wait(ctx context.Context) error {
 	if pc.ev == nil {
-		return fmt.Errorf("%w: %s: Wait after the result was returned", transfer.ErrDeviceCopy, pc.what)
+		return pc.res
 	}
 	sleep := time.Duration(0)
 	var t *time.Timer
@@ -153,7 +171,8 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 		if err != nil {
 			pc.ev.Destroy() // the context is broken: do not reuse it
 			pc.ev = nil
-			return fmt.Errorf("%w: %s of %d bytes at %#x on GPU %d: %v", transfer.ErrDeviceCopy, pc.what, pc.n, pc.dev, pc.gpu, err)
+			pc.res = fmt.Errorf("%w: %s of %d bytes at %#x on GPU %d: %v", transfer.ErrDeviceCopy, pc.what, pc.n, pc.dev, pc.gpu, err)
+			return pc.res
 		}
 		if done {
 			pc.c.mu.Lock()
@@ -170,7 +189,7 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 			sleep = 2 * time.Microsecond
 			runtime.Gosched()
 			continue
-		case sleep < 200*time.Microsecond:
+		case sleep < 50*time.Microsecond:
 			sleep *= 2
 		}
 		if t == nil {
@@ -196,8 +215,7 @@ func (p *Pool) closeCopies() {
 		ev.Destroy()
 	}
 	c.free = nil
-	c.toHost.Destroy()
-	c.fromHost.Destroy()
+	c.destroyStreams()
 }
 
 // pinnedStaging is page-locked host memory holding its own reference to

@@ -24,8 +24,9 @@ type Memory interface {
 // DeviceMemory is Memory the CPU cannot address (GPU memory). Transports
 // that move bytes through host memory (tcp; rdma without GPUDirect) stage
 // it: they copy between it and host staging buffers from AllocStaging.
-// Copies run on the implementation's own stream(s), in the order enqueued
-// per direction; all methods are safe for concurrent use.
+// Copies run on the implementation's own stream(s) and may end in any
+// order: each has its own Completion. All methods are safe for concurrent
+// use.
 type DeviceMemory interface {
 	Memory
 	// CopyToHost enqueues a copy of len(dst) bytes from device address src
@@ -48,8 +49,9 @@ type Completion interface {
 	// ErrDeviceCopy. If ctx ends first it returns ctx's error and the copy
 	// may still be using its host buffer: the caller must not reuse the
 	// buffer until a later Wait returns something other than a context
-	// error. Wait may be called again after a context error, not after the
-	// copy's result was returned.
+	// error. Wait may be called again; once the copy ended it returns the
+	// same result. A copy that ended reports its result even to a ctx
+	// that is already done, so such a ctx polls. Calls must not overlap.
 	Wait(ctx context.Context) error
 }
 

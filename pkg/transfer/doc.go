@@ -15,4 +15,11 @@
 // Transports (tcp, shm, nvlink, ...) live in subpackages and are handed to
 // New; per request the engine picks the first one, in Config.Transports
 // order, that can serve the pair of memory locations.
+//
+// Memory a backend owns (a CUDA pool) is registered WithMemory: Memory gives
+// transports its base, size and a shareable handle (nvlink maps it in the
+// peer), and DeviceMemory adds copies to and from host staging on the
+// backend's own streams (tcp stages GPU memory through them). Transports see
+// only these interfaces, so this package and its host-memory transports
+// import no CUDA package.
 package transfer

@@ -12,6 +12,7 @@ const (
 	StatusOutOfBounds = statusOutOfBounds
 	StatusDenied      = statusDenied
 	StatusBadRequest  = statusBadRequest
+	StatusDevice      = statusDevice
 )
 
 // EncodeRequest encodes a request header; len is not validated.

@@ -35,6 +35,7 @@ const (
 	statusOutOfBounds = 1 // the range is not inside one registered region
 	statusDenied      = 2 // the region does not grant the access
 	statusBadRequest  = 3 // malformed request (the connection is closed after it)
+	statusDevice      = 4 // the target's device memory could not be staged
 )
 
 var errFrame = errors.New("tcp: bad frame")
@@ -128,7 +129,7 @@ func parseResp(b []byte) (respHeader, error) {
 		if h.len > MaxChunk {
 			return h, fmt.Errorf("%w: response %d: length %d exceeds %d", errFrame, h.id, h.len, MaxChunk)
 		}
-	case statusOutOfBounds, statusDenied, statusBadRequest:
+	case statusOutOfBounds, statusDenied, statusBadRequest, statusDevice:
 		if h.len > maxErrText {
 			return h, fmt.Errorf("%w: response %d: error text of %d bytes exceeds %d", errFrame, h.id, h.len, maxErrText)
 		}

@@ -101,7 +101,7 @@ func FuzzServe(f *testing.F) {
 			return nil, nil
 		}
 		// Fuzz addresses are relative to the region: rebase them.
-		s := newServer(&rebase{in: append([]byte(nil), in...), base: base}, io.Discard, check, 0, nil)
+		s := newServer(&rebase{in: append([]byte(nil), in...), base: base}, io.Discard, check, 0, nil, nil)
 		s.run()
 		for i, c := range arena {
 			if (i < 4096 || i >= 8192) && c != 0xA5 {

@@ -3,6 +3,8 @@ package tcp
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -25,6 +27,8 @@ type peer struct {
 	ready chan struct{} // closed when dialing ended: lanes or err is set
 	err   error
 	lanes []*lane
+	// stagingChunk bounds requests to the peer's device regions.
+	stagingChunk uint64
 
 	closing atomic.Bool
 }
@@ -43,7 +47,11 @@ func (t *Transport) peerFor(d *transfer.Descriptor) (*peer, error) {
 		return p, nil
 	}
 	old := p
-	p = &peer{t: t, name: d.Name, inc: d.Incarnation, ready: make(chan struct{})}
+	p = &peer{t: t, name: d.Name, inc: d.Incarnation, ready: make(chan struct{}), stagingChunk: defaultStagingChunk}
+	var inf info
+	if json.Unmarshal(d.Transports[Name], &inf) == nil && inf.StagingChunk > 0 {
+		p.stagingChunk = uint64(min(inf.StagingChunk, MaxChunk))
+	}
 	t.peers[d.Name] = p
 	t.wg.Add(1)
 	t.mu.Unlock()
@@ -109,9 +117,21 @@ func (t *Transport) dial(p *peer, d *transfer.Descriptor) {
 		for _, c := range conns {
 			l := newLane(p, c)
 			p.lanes = append(p.lanes, l)
-			t.wg.Add(2)
-			go func() { defer t.wg.Done(); l.writeLoop() }()
-			go func() { defer t.wg.Done(); l.readLoop() }()
+			l.lwg.Add(3)
+			t.wg.Add(4)
+			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.writeLoop() }()
+			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.readLoop() }()
+			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.finishLoop() }()
+			go func() {
+				defer t.wg.Done()
+				l.lwg.Wait()
+				if err := l.st.close(); err != nil {
+					t.lg.Warn("freeing staging memory", zap.String("peer", p.name), zap.Error(err))
+				}
+				if l.st.leaked.Load() {
+					t.lg.Error("a device copy never ended: its staging memory is left allocated", zap.String("peer", p.name))
+				}
+			}()
 		}
 	}
 	t.mu.Unlock()
@@ -159,6 +179,13 @@ type piece struct {
 	task   *transfer.Task
 	split  *split // for a task sent as several pieces
 	ctx    context.Context
+
+	// dev is the local device memory of a staged piece: a write is copied
+	// into slot before it is sent, a read is received into slot and then
+	// copied to dev.
+	dev  transfer.DeviceMemory
+	slot *slot
+	wait transfer.Completion
 }
 
 // split counts the pieces of one task still out and keeps the first error.
@@ -192,16 +219,35 @@ func (pc *piece) finish(err error) {
 }
 
 // dispatch splits tasks into pieces (a page-list task into its pages, and
-// anything over the chunk size into chunks) and hands them to the least
+// anything over the chunk size into chunks; pieces of device memory, on
+// either side, at most one staging chunk) and hands them to the least
 // loaded lanes.
 func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Task) {
 	if p.err != nil {
 		failAll(tasks, p.err)
 		return
 	}
-	chunk := uint64(t.cfg.ChunkSize)
+	type plan struct {
+		tk    *transfer.Task
+		dev   transfer.DeviceMemory
+		chunk uint64
+	}
+	plans := make([]plan, 0, len(tasks))
 	n := 0
 	for _, tk := range tasks {
+		dev, err := deviceOf(tk.LocalRegion)
+		if err != nil {
+			tk.Done(err)
+			continue
+		}
+		chunk := uint64(t.cfg.ChunkSize)
+		if dev != nil {
+			chunk = min(chunk, uint64(t.cfg.StagingChunk))
+		}
+		if tk.Region != nil && tk.Region.Location.Kind != transfer.CPU {
+			chunk = min(chunk, p.stagingChunk)
+		}
+		plans = append(plans, plan{tk: tk, dev: dev, chunk: chunk})
 		n += piecesOf(tk, chunk)
 	}
 	pieces := make([]piece, n)
@@ -221,7 +267,8 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		load[best] += int64(pc.n) + reqSize
 		perLane[best] = append(perLane[best], pc)
 	}
-	for _, tk := range tasks {
+	for _, pl := range plans {
+		tk, chunk := pl.tk, pl.chunk
 		op := uint8(opWrite)
 		if tk.Op == transfer.Read {
 			op = opRead
@@ -234,7 +281,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		if tk.List == nil {
 			for off := uint64(0); off < tk.Len; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
-					task: tk, split: sp, ctx: ctx}
+					task: tk, split: sp, ctx: ctx, dev: pl.dev}
 				add(&pieces[k])
 				k++
 			}
@@ -243,7 +290,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		for _, pg := range tk.List.Pages {
 			for off := uint64(0); off < tk.List.PageLen; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + pg.Local + off, remote: tk.Remote + pg.Remote + off,
-					n: min(chunk, tk.List.PageLen-off), task: tk, split: sp, ctx: ctx}
+					n: min(chunk, tk.List.PageLen-off), task: tk, split: sp, ctx: ctx, dev: pl.dev}
 				add(&pieces[k])
 				k++
 			}
@@ -281,11 +328,19 @@ type lane struct {
 	next     uint64
 	err      error
 	lastDL   time.Time // when the read deadline was last pushed
+
+	st   *stager
+	done context.Context // already done: polls completions
+	stop chan struct{}   // closed by fail
+	fin  chan *piece     // staged reads whose copy to the device runs
+	lwg  sync.WaitGroup
 }
 
 func newLane(p *peer, c net.Conn) *lane {
-	l := &lane{p: p, conn: c, br: bufio.NewReaderSize(c, readBufSize), max: p.t.cfg.MaxInflight,
-		tmo: p.t.h.Timeout(), inflight: map[uint64]*piece{}}
+	cfg := p.t.cfg
+	l := &lane{p: p, conn: c, br: bufio.NewReaderSize(c, readBufSize), max: cfg.MaxInflight,
+		tmo: p.t.h.Timeout(), inflight: map[uint64]*piece{}, st: newStager(cfg.StagingChunk, cfg.StagingSlots),
+		stop: make(chan struct{}), fin: make(chan *piece, finQueue), done: doneContext()}
 	l.cond.L = &l.mu
 	return l
 }
@@ -319,6 +374,7 @@ func (l *lane) fail(err error) {
 		return
 	}
 	l.err = err
+	close(l.stop)
 	q, inf := l.queue, l.inflight
 	l.queue, l.inflight = nil, map[uint64]*piece{}
 	l.mu.Unlock()
@@ -359,68 +415,245 @@ func (l *lane) pushDeadlineLocked(force bool) {
 
 const maxSendBatch = 128
 
+// finQueue bounds the staged reads waiting for the finisher.
+const finQueue = 256
+
+// skip is a piece the writer ends without sending it.
+type skip struct {
+	pc  *piece
+	err error
+}
+
 func (l *lane) writeLoop() {
-	var batch, skipped []*piece
+	var cur, next []*piece
 	bufs := make(net.Buffers, 0, 2*maxSendBatch)
 	for {
-		l.mu.Lock()
-		for l.err == nil && (len(l.queue) == 0 || len(l.inflight) >= l.max) {
-			l.cond.Wait()
-		}
-		if l.err != nil {
-			l.mu.Unlock()
-			return
-		}
-		idle := len(l.inflight) == 0
-		batch, skipped = batch[:0], skipped[:0]
-		var size uint64
-		i := 0
-		for ; i < len(l.queue) && len(l.inflight) < l.max && len(batch) < maxSendBatch && size < maxWriteBytes; i++ {
-			pc := l.queue[i]
-			if pc.ctx.Err() != nil {
-				skipped = append(skipped, pc)
+		if len(cur) == 0 {
+			var ok bool
+			if cur, ok = l.collect(cur[:0], true); !ok {
+				return
+			}
+			if len(cur) == 0 {
 				continue
 			}
-			l.next++
-			(&reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}).put(pc.hdr[:])
-			l.inflight[l.next] = pc
-			batch = append(batch, pc)
-			if pc.op == opWrite {
-				size += pc.n
-			}
 		}
-		rest := copy(l.queue, l.queue[i:])
-		clear(l.queue[rest:])
-		l.queue = l.queue[:rest]
-		if len(batch) > 0 {
-			l.pushDeadlineLocked(idle)
+		// Take and stage the next batch before sending this one, so its
+		// copies run while this one is on the socket (each batch stages at
+		// most half the ring).
+		next, _ = l.collect(next[:0], false)
+		if err := l.send(cur, bufs); err != nil {
+			err = l.deadErr("send", err)
+			l.abandon(next, err)
+			l.fail(err)
+			return
 		}
+		clear(cur)
+		cur, next = next, cur
+	}
+}
+
+// collect takes the next batch off the queue into batch and starts the
+// copies of its staged writes; with wait, it first waits for work (and, if
+// the staging is out, for some to come back). It reports false once the
+// lane has failed.
+func (l *lane) collect(batch []*piece, wait bool) ([]*piece, bool) {
+	var skipped []skip
+	l.mu.Lock()
+	for wait && l.err == nil && (len(l.queue) == 0 || len(l.inflight) >= l.max) {
+		l.cond.Wait()
+	}
+	if l.err != nil {
 		l.mu.Unlock()
-		for _, pc := range skipped {
-			l.load.Add(-int64(pc.n) - reqSize)
-			pc.finish(fmt.Errorf("tcp: not sent to %s: %w", l.p.name, pc.ctx.Err()))
-		}
-		if len(batch) == 0 {
+		return batch, false
+	}
+	idle := len(l.inflight) == 0
+	var size, stagedBytes uint64
+	staged, waitStaging := false, false
+	half := uint64(l.st.slots*l.st.chunk) / 2
+	i := 0
+build:
+	for ; i < len(l.queue) && len(l.inflight) < l.max && len(batch) < maxSendBatch && size < maxWriteBytes; i++ {
+		pc := l.queue[i]
+		if pc.ctx.Err() != nil {
+			skipped = append(skipped, skip{pc, fmt.Errorf("tcp: not sent to %s: %w", l.p.name, pc.ctx.Err())})
 			continue
 		}
-		bufs = bufs[:0]
-		for _, pc := range batch {
-			bufs = append(bufs, pc.hdr[:])
-			if pc.op == opWrite {
-				bufs = append(bufs, mem(pc.local, pc.n))
+		if pc.dev != nil {
+			if err := l.st.init(pc.dev); err != nil {
+				skipped = append(skipped, skip{pc, err})
+				continue
 			}
+			if pc.op == opWrite {
+				if staged && stagedBytes+pc.n > half {
+					break build // the rest goes with the next batch
+				}
+				var ok bool
+				if pc.slot, ok = l.st.tryGet(toWire, int(pc.n)); !ok {
+					waitStaging = len(batch) == 0
+					break build // the next round, once staging is back
+				}
+				staged, stagedBytes = true, stagedBytes+pc.n
+			}
+		}
+		l.next++
+		(&reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}).put(pc.hdr[:])
+		if pc.slot == nil {
+			// A staged write enters inflight once its bytes are staged.
+			l.inflight[l.next] = pc
+		}
+		batch = append(batch, pc)
+		if pc.op == opWrite {
+			size += pc.n
+		}
+	}
+	rest := copy(l.queue, l.queue[i:])
+	clear(l.queue[rest:])
+	l.queue = l.queue[:rest]
+	if len(batch) > 0 {
+		l.pushDeadlineLocked(idle)
+	}
+	l.mu.Unlock()
+	for _, sk := range skipped {
+		l.load.Add(-int64(sk.pc.n) - reqSize)
+		sk.pc.finish(sk.err)
+	}
+	if len(batch) == 0 && wait && waitStaging {
+		// The staging is out with copies that outlived their batch: wait
+		// until some comes back.
+		t := time.NewTimer(l.tmo)
+		err := l.st.wait(toWire, l.stop, t.C)
+		t.Stop()
+		if err != nil && !errors.Is(err, errStopped) {
+			l.fail(fmt.Errorf("tcp: lane to %s: %w", l.p.name, err))
+			return batch, false
+		}
+	}
+	if staged {
+		l.stage(batch)
+	}
+	return batch, true
+}
+
+// stage starts the copies of the batch's staged writes into their slots.
+func (l *lane) stage(batch []*piece) {
+	for _, pc := range batch {
+		if pc.slot == nil {
+			continue
+		}
+		c, err := pc.dev.CopyToHost(pc.slot.b, pc.local)
+		if err != nil {
+			pc.wait = failed{fmt.Errorf("tcp: staging %d bytes at %#x for %s: %w", pc.n, pc.local, l.p.name, err)}
+			continue
+		}
+		pc.wait = c
+	}
+}
+
+// failed is a Completion that failed before it started.
+type failed struct{ err error }
+
+func (f failed) Wait(context.Context) error { return f.err }
+
+// send writes the batch with vectored writes; before a staged write it
+// sends what came before and waits for the piece's copy. A piece whose copy
+// failed is ended unsent.
+func (l *lane) send(batch []*piece, bufs net.Buffers) error {
+	bufs = bufs[:0]
+	var slots []*slot // sent with bufs: free once written
+	flush := func() error {
+		if len(bufs) == 0 {
+			return nil
 		}
 		l.conn.SetWriteDeadline(time.Now().Add(l.tmo))
 		b := bufs
-		if _, err := b.WriteTo(l.conn); err != nil {
-			l.fail(l.deadErr("send", err))
-			return
-		}
+		_, err := b.WriteTo(l.conn)
 		clear(bufs)
+		bufs = bufs[:0]
+		for _, s := range slots {
+			l.st.put(toWire, s)
+		}
+		slots = slots[:0]
+		return err
+	}
+	for k, pc := range batch {
+		if pc.slot != nil {
+			if ended(l.done, pc.wait) {
+				pc.wait = doneCopy{} // staged already: no need to send what came before first
+			} else if err := flush(); err != nil {
+				l.abandon(batch[k:], l.deadErr("send", err))
+				return err
+			}
+			if !l.staged(pc) {
+				continue
+			}
+			slots = append(slots, pc.slot)
+			bufs = append(bufs, pc.hdr[:], pc.slot.b)
+			pc.slot, pc.wait = nil, nil
+			continue
+		}
+		bufs = append(bufs, pc.hdr[:])
+		if pc.op == opWrite {
+			bufs = append(bufs, mem(pc.local, pc.n))
+		}
+	}
+	return flush()
+}
+
+// staged waits for a staged write's copy and, if its bytes are in the
+// slot, puts the piece in flight. Otherwise it ends the piece (once the
+// copy no longer touches its memory) and reports false.
+func (l *lane) staged(pc *piece) bool {
+	err := pc.wait.Wait(pc.ctx)
+	if err != nil && pc.ctx.Err() != nil && !errors.Is(err, transfer.ErrDeviceCopy) {
+		l.load.Add(-int64(pc.n) - reqSize)
+		cerr := fmt.Errorf("tcp: not sent to %s: %w", l.p.name, pc.ctx.Err())
+		l.st.settle(toWire, pc.slot, pc.wait, l.tmo, func(_ error, ended bool) {
+			if ended {
+				pc.finish(cerr)
+			}
+		})
+		pc.slot, pc.wait = nil, nil
+		return false
+	}
+	if err == nil {
+		l.mu.Lock()
+		if err = l.err; err == nil {
+			l.inflight[l.hdrID(pc)] = pc
+		}
+		l.mu.Unlock()
+	}
+	if err != nil {
+		l.load.Add(-int64(pc.n) - reqSize)
+		l.st.put(toWire, pc.slot)
+		pc.slot, pc.wait = nil, nil
+		pc.finish(err)
+		return false
+	}
+	return true
+}
+
+func (l *lane) hdrID(pc *piece) uint64 { return binary.LittleEndian.Uint64(pc.hdr[8:]) }
+
+// abandon ends the staged writes of a batch that could not be sent, once
+// their copies ended (the lane's failure ends the pieces in flight).
+func (l *lane) abandon(rest []*piece, err error) {
+	for _, pc := range rest {
+		if pc.slot == nil {
+			continue
+		}
+		l.load.Add(-int64(pc.n) - reqSize)
+		slot, c := pc.slot, pc.wait
+		pc.slot, pc.wait = nil, nil
+		l.st.settle(toWire, slot, c, l.tmo, func(_ error, ended bool) {
+			if ended {
+				pc.finish(err)
+			}
+		})
 	}
 }
 
 func (l *lane) readLoop() {
+	defer close(l.fin)
 	var hb [respSize]byte
 	for {
 		n, err := io.ReadFull(l.br, hb[:])
@@ -482,6 +715,14 @@ func (l *lane) readLoop() {
 			l.fail(err)
 			return
 		}
+		if want > 0 && pc.dev != nil && pc.ctx.Err() == nil {
+			if err := l.receiveStaged(pc); err != nil {
+				pc.finish(err)
+				l.fail(err)
+				return
+			}
+			continue
+		}
 		if want > 0 {
 			if pc.ctx.Err() != nil {
 				// The batch ended (timed out or canceled): its memory may be
@@ -498,5 +739,52 @@ func (l *lane) readLoop() {
 			}
 		}
 		pc.finish(nil)
+	}
+}
+
+// receiveStaged reads a staged read's data into a slot and starts its copy
+// to the device; the finisher ends the piece once the copy ended. An error
+// returned ends the lane.
+func (l *lane) receiveStaged(pc *piece) error {
+	slot, err := l.st.get(fromWire, int(pc.n), l.stop, l.tmo)
+	if err != nil {
+		return fmt.Errorf("%w: tcp lane to %s: %v", transfer.ErrPeerDead, l.p.name, err)
+	}
+	b := slot.b
+	if _, err := io.ReadFull(l.br, b); err != nil {
+		l.st.put(fromWire, slot)
+		return l.deadErr("receive", err)
+	}
+	c, err := pc.dev.CopyFromHost(pc.local, b)
+	if err != nil {
+		l.st.put(fromWire, slot)
+		pc.finish(fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err))
+		return nil
+	}
+	pc.slot, pc.wait = slot, c
+	l.fin <- pc // blocks only while the finisher catches up
+	return nil
+}
+
+// finishLoop ends staged reads in order, as their copies to the device end.
+func (l *lane) finishLoop() {
+	for pc := range l.fin {
+		slot, c := pc.slot, pc.wait
+		pc.slot, pc.wait = nil, nil
+		err := c.Wait(pc.ctx)
+		if err != nil && pc.ctx.Err() != nil && !errors.Is(err, transfer.ErrDeviceCopy) {
+			cerr := fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err)
+			l.st.settle(fromWire, slot, c, l.tmo, func(_ error, ended bool) {
+				if ended {
+					pc.finish(cerr)
+				}
+			})
+			continue
+		}
+		l.st.put(fromWire, slot)
+		if err != nil {
+			err = fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err)
+		}
+		pc.finish(err)
 	}
 }

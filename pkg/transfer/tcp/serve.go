@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -34,6 +35,17 @@ type response struct {
 	hdr     [respSize]byte
 	payload []byte
 	hold    *transfer.Region // released once the payload is written
+
+	// A staged response waits for its device copy before it is written:
+	// a read's payload is the slot, a write's ack is sent once the slot's
+	// bytes are in device memory.
+	wait transfer.Completion
+	slot *slot
+	dir  int
+	op   uint8
+	id   uint64
+	addr uint64
+	n    uint64
 }
 
 // server serves one data lane: it reads requests, checks each one against
@@ -45,6 +57,8 @@ type server struct {
 	hold    holdFunc
 	timeout time.Duration
 	closeFn func() // unblocks the reader when the writer fails
+	st      *stager
+	done    context.Context // already done: polls completions
 	out     chan []response
 	free    chan []response // batches the writer is done with
 	pending []response      // answers not yet handed to the writer
@@ -57,9 +71,15 @@ const maxPending = 64
 
 const readBufSize = 64 << 10
 
-func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, closeFn func()) *server {
+func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, closeFn func(), st *stager) *server {
+	if timeout <= 0 {
+		timeout = time.Minute
+	}
+	if st == nil {
+		st = newStager(defaultStagingChunk, defaultStagingSlots)
+	}
 	return &server{r: bufio.NewReaderSize(r, readBufSize), w: w, hold: hold, timeout: timeout,
-		closeFn: closeFn, out: make(chan []response, 8), free: make(chan []response, 10)}
+		closeFn: closeFn, st: st, done: doneContext(), out: make(chan []response, 8), free: make(chan []response, 10)}
 }
 
 // run serves until the stream ends or breaks. It returns the reason (io.EOF
@@ -74,6 +94,9 @@ func (s *server) run() error {
 	s.flush()
 	close(s.out)
 	<-done
+	if cerr := s.st.close(); cerr != nil && err == nil {
+		err = cerr
+	}
 	return err
 }
 
@@ -143,6 +166,13 @@ func (s *server) readLoop() error {
 			}
 			continue
 		}
+		dm, derr := deviceOf(reg)
+		if derr != nil || dm != nil {
+			if err := s.serveDevice(h, reg, dm, derr); err != nil {
+				return err
+			}
+			continue
+		}
 		dst := mem(h.addr, h.len)
 		var r response
 		if h.op == opWrite {
@@ -158,6 +188,105 @@ func (s *server) readLoop() error {
 		}
 		s.push(r)
 	}
+}
+
+// serveDevice serves a request to a device region through a staging slot:
+// a write goes socket -> slot -> device and is acknowledged once the copy
+// ended; a read goes device -> slot -> socket. Either way the reader goes
+// on with the next request while the copy runs. derr refuses the request.
+func (s *server) serveDevice(h reqHeader, reg *transfer.Region, dm transfer.DeviceMemory, derr error) error {
+	if derr == nil {
+		derr = s.st.init(dm)
+	}
+	if derr == nil && h.len > uint64(s.st.chunk) {
+		derr = fmt.Errorf("%w: tcp: request of %d bytes to device memory exceeds the staging chunk of %d", transfer.ErrDeviceCopy, h.len, s.st.chunk)
+	}
+	dir := toWire
+	if h.op == opWrite {
+		dir = fromWire
+	}
+	var slot *slot
+	if derr == nil {
+		var ok bool
+		if slot, ok = s.st.tryGet(dir, int(h.len)); !ok {
+			s.flush() // the writer frees staging as it sends what is pending
+			var err error
+			if slot, err = s.st.get(dir, int(h.len), nil, s.timeout); err != nil {
+				reg.Release()
+				return err
+			}
+		}
+	}
+	refuse := func(err error) error {
+		s.st.put(dir, slot)
+		reg.Release()
+		if h.op == opWrite && slot == nil {
+			if _, err := s.r.Discard(int(h.len)); err != nil {
+				return err
+			}
+		}
+		s.fail(h.id, statusDevice, fmt.Sprintf("%s of %d bytes at %#x: %v", opName(h.op), h.len, h.addr, err))
+		if s.r.Buffered() < reqSize {
+			s.flush()
+		}
+		return nil
+	}
+	if derr != nil {
+		return refuse(derr)
+	}
+	b := slot.b
+	r := response{hold: reg, slot: slot, dir: dir, op: h.op, id: h.id, addr: h.addr, n: h.len}
+	var err error
+	if h.op == opWrite {
+		if _, err := io.ReadFull(s.r, b); err != nil {
+			s.st.put(dir, slot)
+			reg.Release()
+			return err
+		}
+		r.wait, err = dm.CopyFromHost(h.addr, b)
+		(&respHeader{id: h.id}).put(r.hdr[:])
+	} else {
+		r.wait, err = dm.CopyToHost(b, h.addr)
+		(&respHeader{id: h.id, len: h.len}).put(r.hdr[:])
+		r.payload = b
+	}
+	if err != nil {
+		return refuse(err)
+	}
+	s.push(r)
+	return nil
+}
+
+// settle waits for a staged response's copy (at most the timeout). If the
+// copy failed, or did not end in time, r becomes an error response; a copy
+// still running keeps its slot and its hold on the region (so the memory
+// cannot be freed under it) until it ends.
+func (s *server) settle(r *response) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.timeout)
+	c := r.wait
+	err := c.Wait(ctx)
+	late := err != nil && ctx.Err() != nil && !errors.Is(err, transfer.ErrDeviceCopy)
+	cancel()
+	r.wait = nil
+	if err == nil {
+		return
+	}
+	if late {
+		hold := r.hold
+		s.st.settle(r.dir, r.slot, c, s.timeout, func(_ error, ended bool) {
+			if ended {
+				hold.Release()
+			}
+		})
+		r.slot, r.hold = nil, nil
+		err = fmt.Errorf("%w: not done after %v", transfer.ErrDeviceCopy, s.timeout)
+	}
+	text := fmt.Sprintf("%s of %d bytes at %#x: %v", opName(r.op), r.n, r.addr, err)
+	if len(text) > maxErrText {
+		text = text[:maxErrText]
+	}
+	(&respHeader{status: statusDevice, id: r.id, len: uint64(len(text))}).put(r.hdr[:])
+	r.payload = []byte(text)
 }
 
 func opName(op uint8) string {
@@ -200,31 +329,55 @@ func (s *server) writeLoop() {
 				break drain
 			}
 		}
-		if failed {
-			releaseHolds(batch)
-			continue // keep draining so the reader never blocks
-		}
-		bufs = bufs[:0]
-		for i := range batch {
-			bufs = append(bufs, batch[i].hdr[:])
-			if len(batch[i].payload) > 0 {
-				bufs = append(bufs, batch[i].payload)
-			}
-		}
-		if dl != nil && s.timeout > 0 {
-			dl.SetWriteDeadline(time.Now().Add(s.timeout))
-		}
-		b := bufs
-		if _, err := b.WriteTo(s.w); err != nil {
-			failed = true
-			if s.closeFn != nil {
-				s.closeFn()
-			}
-		}
-		releaseHolds(batch)
+		failed = s.writeBatch(batch, bufs, dl, failed)
 		clear(batch)
-		clear(bufs)
 	}
+}
+
+// writeBatch writes batch with vectored writes, waiting for each staged
+// response's copy first (what came before it goes out meanwhile). After a
+// failed write it only settles and releases. It reports whether writing
+// failed.
+func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ SetWriteDeadline(time.Time) error }, failed bool) bool {
+	start := 0
+	bufs = bufs[:0]
+	send := func(end int) {
+		if !failed && len(bufs) > 0 {
+			if dl != nil {
+				dl.SetWriteDeadline(time.Now().Add(s.timeout))
+			}
+			b := bufs
+			if _, err := b.WriteTo(s.w); err != nil {
+				failed = true
+				if s.closeFn != nil {
+					s.closeFn()
+				}
+			}
+		}
+		releaseHolds(batch[start:end])
+		for i := start; i < end; i++ {
+			s.st.put(batch[i].dir, batch[i].slot)
+		}
+		clear(bufs)
+		bufs, start = bufs[:0], end
+	}
+	for i := range batch {
+		r := &batch[i]
+		if r.wait != nil {
+			if ended(s.done, r.wait) {
+				r.wait = nil
+			} else {
+				send(i)
+				s.settle(r)
+			}
+		}
+		bufs = append(bufs, r.hdr[:])
+		if len(r.payload) > 0 {
+			bufs = append(bufs, r.payload)
+		}
+	}
+	send(len(batch))
+	return failed
 }
 
 func releaseHolds(rs []response) {

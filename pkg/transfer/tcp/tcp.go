@@ -11,7 +11,13 @@
 // Config.ChunkSize are split into chunks spread over the lanes. The serving
 // side checks every request against its registered regions (Host.HoldLocal)
 // before it touches memory and answers a refused one with an error naming
-// the range. The byte layout is in docs/format/tcp.md.
+// the range.
+//
+// Device memory (a region registered WithMemory of a
+// transfer.DeviceMemory, such as a CUDA pool) is staged on either side:
+// each lane allocates a pinned ring per direction once, and copies between
+// the device and the ring run on the memory's own streams while earlier
+// pieces are on the socket. The byte layout is in docs/format/tcp.md.
 package tcp
 
 import (
@@ -42,12 +48,27 @@ type Config struct {
 	// into chunks of this size, spread over the lanes (default 1 MiB, at
 	// most MaxChunk).
 	ChunkSize int
+	// StagingChunk is the size of one staging slot for device memory
+	// (transfer.DeviceMemory): requests to or from it are split to at most
+	// this size, on either side (default 1 MiB, at most MaxChunk).
+	StagingChunk int
+	// StagingSlots is the number of staging slots per lane and direction
+	// (default 2). Each lane that meets device memory allocates
+	// 2*StagingSlots*StagingChunk bytes of staging once, so a peer costs at
+	// most Lanes times that on each side.
+	StagingSlots int
+	// MaxServedStaging bounds the staging of all the lanes this transport
+	// serves together (default 64 lanes' worth, 256 MiB with the other
+	// defaults); a lane past it refuses device requests.
+	MaxServedStaging int64
 }
 
 const (
-	defaultLanes       = 4
-	defaultMaxInflight = 64
-	defaultChunk       = 1 << 20
+	defaultLanes        = 4
+	defaultMaxInflight  = 64
+	defaultChunk        = 1 << 20
+	defaultStagingChunk = 1 << 20
+	defaultStagingSlots = 2
 )
 
 // Validate reports a configuration the transport cannot use.
@@ -59,6 +80,12 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("tcp: config: negative max inflight %d", c.MaxInflight)
 	case c.ChunkSize < 0 || c.ChunkSize > MaxChunk:
 		return fmt.Errorf("tcp: config: chunk size %d not in [0, %d]", c.ChunkSize, MaxChunk)
+	case c.StagingChunk < 0 || c.StagingChunk > MaxChunk:
+		return fmt.Errorf("tcp: config: staging chunk %d not in [0, %d]", c.StagingChunk, MaxChunk)
+	case c.StagingSlots < 0 || c.StagingSlots > 64:
+		return fmt.Errorf("tcp: config: staging slots %d not in [0, 64]", c.StagingSlots)
+	case c.MaxServedStaging < 0:
+		return fmt.Errorf("tcp: config: negative max served staging %d", c.MaxServedStaging)
 	}
 	return nil
 }
@@ -73,6 +100,15 @@ func (c Config) withDefaults() Config {
 	if c.ChunkSize == 0 {
 		c.ChunkSize = defaultChunk
 	}
+	if c.StagingChunk == 0 {
+		c.StagingChunk = defaultStagingChunk
+	}
+	if c.StagingSlots == 0 {
+		c.StagingSlots = defaultStagingSlots
+	}
+	if c.MaxServedStaging == 0 {
+		c.MaxServedStaging = 64 * 2 * int64(c.StagingSlots) * int64(c.StagingChunk)
+	}
 	return c
 }
 
@@ -83,6 +119,7 @@ type Transport struct {
 	cfgErr error
 	h      transfer.Host
 	lg     *zap.Logger
+	served *budget // staging of served lanes
 
 	mu     sync.Mutex
 	peers  map[string]*peer // by segment name
@@ -101,6 +138,7 @@ var (
 // New returns a tcp transport. An invalid cfg makes Start fail.
 func New(cfg Config) *Transport {
 	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), peers: map[string]*peer{}}
+	t.served = &budget{max: t.cfg.MaxServedStaging}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	return t
 }
@@ -128,38 +166,57 @@ func (t *Transport) Start(h transfer.Host) error {
 type info struct {
 	Version int `json:"version"`
 	Lanes   int `json:"lanes"`
+	// StagingChunk bounds requests to this segment's device regions.
+	StagingChunk int `json:"staging_chunk,omitempty"`
 }
 
-// Info says that the segment serves tcp lanes (wire version, lane count).
+// Info says that the segment serves tcp lanes (wire version, lane count,
+// staging chunk).
 func (t *Transport) Info() json.RawMessage {
-	b, _ := json.Marshal(info{Version: version, Lanes: t.cfg.Lanes})
+	b, _ := json.Marshal(info{Version: version, Lanes: t.cfg.Lanes, StagingChunk: t.cfg.StagingChunk})
 	return b
 }
 
-// RegisterRegion accepts host memory; tcp cannot reach device memory.
+// stagedHandle marks, in the descriptor, a device region this segment's
+// tcp stages: peers may send requests to it.
+var stagedHandle = json.RawMessage(`{"staged":true}`)
+
+// RegisterRegion accepts host memory, and device memory it can stage (the
+// region's Memory is a transfer.DeviceMemory).
 func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) {
-	if r.Location.Kind != transfer.CPU {
-		return nil, fmt.Errorf("%w: tcp moves host memory only, not %v", transfer.ErrCannotRegister, r.Location)
+	if r.Location.Kind == transfer.CPU {
+		return nil, nil
 	}
-	return nil, nil
+	if _, ok := r.Memory.(transfer.DeviceMemory); !ok {
+		return nil, fmt.Errorf("%w: tcp stages %v memory through its transfer.DeviceMemory, and none was given (register it WithMemory)",
+			transfer.ErrCannotRegister, r.Location)
+	}
+	return stagedHandle, nil
 }
 
 func (t *Transport) UnregisterRegion(*transfer.Region) {}
 
-// CanServe: host memory on both ends, and the peer serves tcp lanes.
+// CanServe: the peer serves tcp lanes, and a remote device region is one
+// its tcp stages. Local device memory is staged too (Submit fails a task
+// whose local region has no transfer.DeviceMemory).
 func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, rem *transfer.RegionInfo) bool {
-	if loc.Kind != transfer.CPU || rem.Location.Kind != transfer.CPU {
+	if _, ok := peer.Transports[Name]; !ok {
 		return false
 	}
-	_, ok := peer.Transports[Name]
-	return ok
+	if rem.Location.Kind != transfer.CPU {
+		_, ok := rem.Handles[Name]
+		return ok
+	}
+	return true
 }
 
 // serve runs one accepted lane until it ends; the engine closes conn when
 // it closes.
 func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 	defer conn.Close()
-	s := newServer(conn, conn, t.h.HoldLocal, t.h.Timeout(), func() { conn.Close() })
+	st := newStager(t.cfg.StagingChunk, t.cfg.StagingSlots)
+	st.budget = t.served
+	s := newServer(conn, conn, t.h.HoldLocal, t.h.Timeout(), func() { conn.Close() }, st)
 	err := s.run()
 	if err != nil && !isClosed(err) && t.lg.Core().Enabled(zap.DebugLevel) {
 		t.lg.Debug("lane ended", zap.String("peer", from.Name), zap.Error(err))
@@ -245,7 +302,7 @@ func isClosed(err error) bool {
 }
 
 // remoteError is a request the serving side refused; it wraps
-// ErrOutOfBounds or ErrAccessDenied.
+// ErrOutOfBounds, ErrAccessDenied or ErrDeviceCopy.
 type remoteError struct {
 	sentinel error
 	msg      string
@@ -261,6 +318,8 @@ func statusErr(peer string, status uint8, text string) error {
 		s = transfer.ErrOutOfBounds
 	case statusDenied:
 		s = transfer.ErrAccessDenied
+	case statusDevice:
+		s = transfer.ErrDeviceCopy
 	default:
 		s = errFrame
 	}

@@ -26,8 +26,9 @@ const Poison = 0xA5
 
 // Node is an engine with memory the suite allocated.
 type Node struct {
-	E    *transfer.Engine
-	mems []*transfer.HostMemory
+	E       *transfer.Engine
+	mems    []*transfer.HostMemory
+	closers []func() error // device memory and its staging
 }
 
 // NewNode starts an engine on 127.0.0.1 with fresh transports; it is closed
@@ -54,6 +55,10 @@ func (n *Node) Close() {
 		m.Close()
 	}
 	n.mems = nil
+	for i := len(n.closers) - 1; i >= 0; i-- {
+		n.closers[i]()
+	}
+	n.closers = nil
 }
 
 // Alloc allocates and registers host memory with the given access, filled

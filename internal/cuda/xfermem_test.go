@@ -1,0 +1,103 @@
+package cuda_test
+
+// GPU tests of a Pool as transfer.DeviceMemory; each skips without a GPU.
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
+)
+
+// ownedPool is a pool that releases its context when closed.
+type ownedPool struct {
+	*cuda.Pool
+	ctx *cuda.Context
+}
+
+func (p ownedPool) Close() error { return errors.Join(p.Pool.Close(), p.ctx.Release()) }
+
+func gpuPool(t testing.TB, size int) transfer.DeviceMemory {
+	t.Helper()
+	if err := cuda.Init(); err != nil {
+		t.Skipf("no CUDA: %v", err)
+	}
+	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
+		t.Skipf("no GPU (%d, %v)", n, err)
+	}
+	d, err := cuda.GetDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := d.Retain()
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := c.NewPool(cuda.PoolConfig{Size: uint64(size)})
+	if err != nil {
+		c.Release()
+		t.Fatal(err)
+	}
+	return ownedPool{p, c}
+}
+
+// TestPoolOverTCP moves real GPU memory over tcp between two engines of
+// this process (GPU->GPU, GPU->host, host->GPU, page lists, bounds),
+// checking every byte.
+func TestPoolOverTCP(t *testing.T) {
+	gpuPool(t, 1<<20).(ownedPool).Close() // skip early without a GPU
+	transfertest.RunDevice(t, func() []transfer.Transport { return []transfer.Transport{tcp.New(tcp.Config{})} }, gpuPool)
+}
+
+// TestPoolCopies: the pool's copies round-trip bytes, refuse ranges
+// outside the pool, and its handle is shareable.
+func TestPoolCopies(t *testing.T) {
+	m := gpuPool(t, 4<<20)
+	defer m.(ownedPool).Close()
+	st, err := m.AllocStaging(2 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	b := st.Bytes()
+	for i := range b[:1<<20] {
+		b[i] = byte(i*7 + 3)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	wait := func(c transfer.Completion, err error) {
+		t.Helper()
+		if err == nil {
+			err = c.Wait(ctx)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	base := m.Base()
+	wait(m.CopyFromHost(base+4096, b[:1<<20]))
+	wait(m.CopyToHost(b[1<<20:], base+4096))
+	for i := 0; i < 1<<20; i++ {
+		if b[1<<20+i] != b[i] {
+			t.Fatalf("byte %d: %#x, want %#x", i, b[1<<20+i], b[i])
+		}
+	}
+	for _, addr := range []uint64{base - 1, base + m.Size() - 10} {
+		if _, err := m.CopyToHost(b[:100], addr); !errors.Is(err, transfer.ErrDeviceCopy) {
+			t.Errorf("copy of 100 bytes at %#x: %v, want ErrDeviceCopy", addr, err)
+		}
+	}
+	h, err := m.Share()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if h.Kind != transfer.HandlePosixFD && h.Kind != transfer.HandleFabric || h.Size < 4<<20 || h.Device != 0 {
+		t.Fatalf("handle %+v", h)
+	}
+}

@@ -1,0 +1,259 @@
+package tcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+)
+
+// Staging directions: each has its own ring, so the side of a lane that
+// sends never waits for staging the side that receives holds (and so never
+// for the peer).
+const (
+	toWire   = 0 // device -> staging -> socket
+	fromWire = 1 // socket -> staging -> device
+)
+
+// stager is one lane's staging memory for device regions: a ring of
+// slots*chunk bytes per direction in one allocation, made once at the first
+// device request (from that region's transfer.DeviceMemory) and freed when
+// the lane ends. Pieces take exactly their length from the ring, in order,
+// so small pieces pack; they give it back in about the same order.
+type stager struct {
+	chunk, slots int
+	// budget, when set, is shared by the lanes a transport serves: their
+	// staging together stays within it.
+	budget *budget
+
+	once  sync.Once
+	err   error
+	mem   transfer.Staging
+	rings [2]ring
+
+	busy   sync.WaitGroup // copies past their context, still holding a slot
+	leaked atomic.Bool    // a copy never ended: the memory must not be freed
+}
+
+func newStager(chunk, slots int) *stager { return &stager{chunk: chunk, slots: slots} }
+
+// slot is a piece's span of a ring.
+type slot struct {
+	b          []byte
+	start, end uint64 // ring positions, the padding skipped before b included
+	free       bool
+}
+
+// ring is a byte ring: allocations at the head, released spans retire from
+// the tail in allocation order (one released early waits for those before).
+type ring struct {
+	mu         sync.Mutex
+	buf        []byte
+	head, tail uint64
+	live       []*slot       // allocated, oldest first
+	freed      chan struct{} // a span was released (capacity 1)
+}
+
+func (r *ring) tryAlloc(n int) (*slot, bool) {
+	size := uint64(len(r.buf))
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.live) == 0 {
+		r.head, r.tail = 0, 0 // empty: start over, no wrap needed
+	}
+	pos := r.head % size
+	pad := uint64(0)
+	if pos+uint64(n) > size {
+		pad = size - pos // wrap: the tail end is skipped
+	}
+	if r.head+pad+uint64(n)-r.tail > size {
+		return nil, false
+	}
+	o := (pos + pad) % size
+	s := &slot{b: r.buf[o : o+uint64(n) : o+uint64(n)], start: r.head, end: r.head + pad + uint64(n)}
+	r.head = s.end
+	r.live = append(r.live, s)
+	return s, true
+}
+
+func (r *ring) release(s *slot) {
+	r.mu.Lock()
+	s.free = true
+	k := 0
+	for k < len(r.live) && r.live[k].free {
+		r.tail = r.live[k].end
+		k++
+	}
+	if k > 0 {
+		n := copy(r.live, r.live[k:])
+		clear(r.live[n:])
+		r.live = r.live[:n]
+	}
+	r.mu.Unlock()
+	select {
+	case r.freed <- struct{}{}:
+	default:
+	}
+}
+
+// init allocates the staging memory from dev the first time; later calls
+// return the first call's error.
+func (s *stager) init(dev transfer.DeviceMemory) error {
+	s.once.Do(func() {
+		per := s.slots * s.chunk
+		if err := s.budget.take(int64(2 * per)); err != nil {
+			s.err = err
+			return
+		}
+		m, err := dev.AllocStaging(2 * per)
+		if err != nil {
+			s.budget.give(int64(2 * per))
+			s.err = fmt.Errorf("tcp: %d bytes of staging: %w", 2*per, err)
+			return
+		}
+		if b := m.Bytes(); len(b) < 2*per {
+			m.Close()
+			s.budget.give(int64(2 * per))
+			s.err = fmt.Errorf("tcp: staging of %d bytes, asked for %d", len(b), 2*per)
+			return
+		}
+		s.mem = m
+		b := m.Bytes()
+		for d := range s.rings {
+			s.rings[d].buf = b[d*per : (d+1)*per : (d+1)*per]
+			s.rings[d].freed = make(chan struct{}, 1)
+		}
+	})
+	return s.err
+}
+
+// tryGet takes n bytes (at most chunk) of direction d's ring, if free.
+func (s *stager) tryGet(d, n int) (*slot, bool) { return s.rings[d].tryAlloc(n) }
+
+// get waits for n bytes of direction d's ring, at most tmo or until stop.
+func (s *stager) get(d, n int, stop <-chan struct{}, tmo time.Duration) (*slot, error) {
+	t := time.NewTimer(tmo)
+	defer t.Stop()
+	for {
+		if sl, ok := s.tryGet(d, n); ok {
+			return sl, nil
+		}
+		if err := s.wait(d, stop, t.C); err != nil {
+			return nil, fmt.Errorf("%w (%d bytes wanted, after %v)", err, n, tmo)
+		}
+	}
+}
+
+// wait returns once some staging of direction d was released (or an
+// earlier release was not yet seen), or fails on stop or expiry.
+func (s *stager) wait(d int, stop <-chan struct{}, expiry <-chan time.Time) error {
+	select {
+	case <-s.rings[d].freed:
+		return nil
+	case <-stop:
+		return errStopped
+	case <-expiry:
+		return fmt.Errorf("%w: tcp: no staging came free (%d bytes per direction)", transfer.ErrDeviceCopy, s.slots*s.chunk)
+	}
+}
+
+var errStopped = errors.New("tcp: lane ended")
+
+func (s *stager) put(d int, sl *slot) {
+	if sl != nil {
+		s.rings[d].release(sl)
+	}
+}
+
+// settle takes over a copy whose waiter's context ended: it waits for the
+// copy at most bound more, then calls done(ended) and, if the copy ended,
+// returns the slot. A copy that never ends keeps its slot, and the staging
+// memory is then never freed. done gets the copy's result (a context error
+// if it never ended).
+func (s *stager) settle(d int, slot *slot, c transfer.Completion, bound time.Duration, done func(err error, ended bool)) {
+	s.busy.Add(1)
+	go func() {
+		defer s.busy.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), bound)
+		err := c.Wait(ctx)
+		ended := err == nil || ctx.Err() == nil || errors.Is(err, transfer.ErrDeviceCopy)
+		cancel()
+		if ended {
+			s.put(d, slot)
+		} else {
+			s.leaked.Store(true)
+		}
+		done(err, ended)
+	}()
+}
+
+// close frees the staging memory once no copy holds a slot. Call it after
+// the lane's goroutines ended.
+func (s *stager) close() error {
+	s.busy.Wait()
+	if s.mem == nil || s.leaked.Load() {
+		return nil
+	}
+	s.budget.give(int64(2 * s.slots * s.chunk))
+	return s.mem.Close()
+}
+
+// budget bounds the staging bytes of the lanes a transport serves.
+type budget struct {
+	max  int64
+	used atomic.Int64
+}
+
+func (b *budget) take(n int64) error {
+	if b == nil {
+		return nil
+	}
+	if u := b.used.Add(n); u > b.max {
+		b.used.Add(-n)
+		return fmt.Errorf("%w: tcp: the staging of served lanes is at its limit of %d bytes (Config.MaxServedStaging)", transfer.ErrDeviceCopy, b.max)
+	}
+	return nil
+}
+
+func (b *budget) give(n int64) {
+	if b != nil {
+		b.used.Add(-n)
+	}
+}
+
+// deviceOf returns the region's device memory, if it must be staged. A GPU
+// region without one cannot be reached by tcp at all.
+func deviceOf(r *transfer.Region) (transfer.DeviceMemory, error) {
+	if r == nil {
+		return nil, nil
+	}
+	if dm, ok := r.Memory.(transfer.DeviceMemory); ok {
+		return dm, nil
+	}
+	if r.Location.Kind != transfer.CPU {
+		return nil, fmt.Errorf("%w: tcp: %v region [%#x, +%d) has no transfer.DeviceMemory to stage through (register it WithMemory)",
+			transfer.ErrDeviceCopy, r.Location, r.Addr, r.Len)
+	}
+	return nil, nil
+}
+
+// ended reports whether c already ended successfully, without waiting:
+// done is a context that is already done (a completion that ended reports
+// its result even then).
+func ended(done context.Context, c transfer.Completion) bool { return c.Wait(done) == nil }
+
+// doneContext returns a context that is already done.
+func doneContext() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}
+
+// doneCopy is a Completion that ended successfully.
+type doneCopy struct{}
+
+func (doneCopy) Wait(context.Context) error { return nil }
