@@ -131,7 +131,7 @@ func (p *peer) shut(why error) {
 // side for the objects it lacks and imports each once. A region the peer
 // refuses (or sends inconsistently) stays unmapped, with the reason in
 // refused; err is for what fails the whole batch (connection, ctx).
-func (p *peer) mapRegions(ctx context.Context, hs []want) (refused map[uint64]string, err error) {
+func (p *peer) mapRegions(ctx context.Context, hs []want) (refused map[uint64]error, err error) {
 	p.mu.RLock()
 	var need []want
 	var ids []uint64
@@ -169,7 +169,11 @@ func (p *peer) adopt(h want, r fdshare.Reply) error {
 		}
 	}
 	defer closeFD()
-	if r.Status != 0 {
+	switch r.Status {
+	case 0:
+	case fdshare.StatusNotRegistered: // gone since we read the descriptor
+		return fmt.Errorf("%w: %s no longer has nvlink region %d: %s", transfer.ErrOutOfBounds, p.desc.Name, h.ID, r.Text)
+	default:
 		return fmt.Errorf("%s refused nvlink region %d: %s", p.desc.Name, h.ID, r.Text)
 	}
 	if kindOf(r.Kind) != h.Kind || r.Offset != h.Offset || r.Size != h.Size {

@@ -70,11 +70,11 @@ func (t *Transport) wants(p *peer, tasks []*transfer.Task) ([]want, error) {
 }
 
 // importAll imports the regions of ws; refused ones are returned with why.
-func (t *Transport) importAll(ctx context.Context, p *peer, ws []want) (map[uint64]string, error) {
+func (t *Transport) importAll(ctx context.Context, p *peer, ws []want) (map[uint64]error, error) {
 	if !t.fabric {
 		return p.mapRegions(ctx, ws)
 	}
-	var refused map[uint64]string
+	var refused map[uint64]error
 	for _, w := range ws {
 		var key [64]byte
 		copy(key[:], w.Fabric)
@@ -87,9 +87,9 @@ func (t *Transport) importAll(ctx context.Context, p *peer, ws []want) (map[uint
 		}
 		if err != nil {
 			if refused == nil {
-				refused = map[uint64]string{}
+				refused = map[uint64]error{}
 			}
-			refused[w.ID] = err.Error()
+			refused[w.ID] = err
 		}
 	}
 	return refused, nil
@@ -125,7 +125,7 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 			return true
 		}
 		if len(refused) > 0 {
-			bad := map[uint64]string{}
+			bad := map[uint64]error{}
 			for _, w := range ws {
 				if why, ok := refused[w.ID]; ok {
 					bad[w.addr] = why
@@ -134,7 +134,11 @@ func (t *Transport) launch(ctx context.Context, p *peer, tasks []*transfer.Task,
 			var rest []*transfer.Task
 			for _, k := range tasks {
 				if why, ok := bad[k.Region.Addr]; ok {
-					k.Done(fmt.Errorf("%w: %s: %s", transfer.ErrAccessDenied, t.name, why))
+					if errors.Is(why, transfer.ErrOutOfBounds) {
+						k.Done(&transfer.RangeError{Addr: k.Remote, Len: k.Len, Err: transfer.ErrOutOfBounds, Detail: t.name + ": " + why.Error()})
+					} else {
+						k.Done(fmt.Errorf("%w: %s: %v", transfer.ErrAccessDenied, t.name, why))
+					}
 				} else {
 					rest = append(rest, k)
 				}

@@ -162,12 +162,12 @@ next:
 // job checks one task against its mapping (defense in depth: the engine
 // already checked it against the published region table) and returns its
 // byte ranges. p.mu is held shared.
-func (p *peer) job(k *transfer.Task, h Handle, refused map[uint64]string) (job, error) {
+func (p *peer) job(k *transfer.Task, h Handle, refused map[uint64]error) (job, error) {
 	m := p.maps[h.ID]
 	if m == nil {
-		why := refused[h.ID]
-		if why == "" {
-			why = fmt.Sprintf("shm region %d of %s is not mapped (unregistered meanwhile)", h.ID, p.desc.Name)
+		why := fmt.Sprintf("shm region %d of %s is not mapped (unregistered meanwhile)", h.ID, p.desc.Name)
+		if err := refused[h.ID]; err != nil {
+			why = err.Error()
 		}
 		return job{}, &transfer.RangeError{Addr: k.Remote, Len: k.Len, Err: transfer.ErrOutOfBounds, Detail: why}
 	}

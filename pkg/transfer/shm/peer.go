@@ -79,7 +79,7 @@ func (p *peer) shut(why error) {
 // side for the memfds it lacks and maps each once. A region the peer
 // refuses (or sends inconsistently) stays unmapped, with the reason in
 // refused; err is for what fails the whole batch (connection, ctx).
-func (p *peer) mapRegions(ctx context.Context, hs []Handle) (refused map[uint64]string, err error) {
+func (p *peer) mapRegions(ctx context.Context, hs []Handle) (refused map[uint64]error, err error) {
 	p.mu.RLock()
 	var need []Handle
 	var ids []uint64

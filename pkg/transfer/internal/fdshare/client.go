@@ -333,9 +333,9 @@ func (c *Client) readLoop() {
 // Fetch asks the peer for each item of ids and calls adopt with each
 // reply, in order (adopt owns the reply's fd). An item whose adopt fails
 // (the peer refused it, or sent something inconsistent) is returned in
-// refused with the reason; err is for what fails the whole batch
+// refused with adopt's error; err is for what fails the whole batch
 // (connection, ctx, ErrShut from adopt). The client must be connected.
-func (c *Client) Fetch(ctx context.Context, ids []uint64, adopt func(i int, r Reply) error) (refused map[uint64]string, err error) {
+func (c *Client) Fetch(ctx context.Context, ids []uint64, adopt func(i int, r Reply) error) (refused map[uint64]error, err error) {
 	chs := make([]chan Reply, len(ids))
 	reqs := make([]uint64, len(ids))
 	for i, id := range ids {
@@ -389,9 +389,9 @@ func (c *Client) Fetch(ctx context.Context, ids []uint64, adopt func(i int, r Re
 				continue
 			}
 			if refused == nil {
-				refused = map[uint64]string{}
+				refused = map[uint64]error{}
 			}
-			refused[id] = err.Error()
+			refused[id] = err
 		}
 	}
 	return refused, first

@@ -144,7 +144,7 @@ func TestFetchRevokeGone(t *testing.T) {
 				}
 				return nil
 			})
-			if err != nil || len(refused) != 1 || refused[999] == "" {
+			if err != nil || len(refused) != 1 || refused[999] == nil || got[2].Status != StatusNotRegistered {
 				t.Fatalf("fetch: refused %v, err %v", refused, err)
 			}
 			if got[0].FD < 0 || got[0].Offset != 4096 || got[0].Size != 4096 || got[0].Region != id {

@@ -365,6 +365,10 @@ func (s *Server) serveConn(c *servedConn) {
 	}
 }
 
+// StatusNotRegistered is a map reply's status for an item the server does
+// not have (unregistered since the peer read the descriptor).
+const StatusNotRegistered = 1
+
 // sendItem answers one map request: the item's reply fields, with a
 // duplicate of its fd (if it has one) over SCM_RIGHTS.
 func (s *Server) sendItem(c *servedConn, req, id uint64) error {
@@ -380,7 +384,7 @@ func (s *Server) sendItem(c *servedConn, req, id uint64) error {
 	r := Packet{Type: TypeMapReply, Req: req, Region: id}
 	switch {
 	case !ok:
-		r.Status, r.Text = 1, "region is not registered (unregistered since the descriptor was read?)"
+		r.Status, r.Text = StatusNotRegistered, "region is not registered (unregistered since the descriptor was read?)"
 		return c.send(&r, -1)
 	case err != nil:
 		r.Status, r.Text = 2, "dup fd: "+err.Error()
