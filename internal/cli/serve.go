@@ -116,7 +116,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.StringVar(&f.dtype, "dtype", "auto", "auto, float32 or bfloat16")
 	fl.StringVar(&f.mode, "disaggregation-mode", "null", "null (colocated), prefill or decode")
 	fl.IntVar(&f.bootstrapPort, "disaggregation-bootstrap-port", 8998, "prefill bootstrap server port (0 picks a free one)")
-	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink or rdma")
+	fl.StringVar(&f.backend, "disaggregation-transfer-backend", "auto", "auto, tcp, shm, nvlink (GPU memory; host memory over shm) or rdma")
 	fl.StringVar(&f.ibDevice, "disaggregation-ib-device", "", `RDMA devices: "mlx5_0,mlx5_1", a JSON object from GPU id to devices, or a file holding one (default: every device found)`)
 	fl.DurationVar(&f.disaggTimeout, "disaggregation-timeout", 10*time.Second, "bound on a request's bootstrap and KV wait, from when its pages are reserved")
 	fl.DurationVar(&f.maxQueueWait, "max-queue-wait", engine.DefaultMaxQueueWait, "bound on a request's wait for KV pages in the admission queue")

@@ -95,7 +95,9 @@ func (f *transferFlags) transports(flag string, lg *zap.Logger, reg prometheus.R
 		if len(g) == 0 {
 			return nil, fmt.Errorf("%s nvlink: %s", flag, gpuUnavailable())
 		}
-		return g, nil
+		// GPU memory over NVLink; host memory (the first token's aux slot)
+		// has no NVLink path: shm carries it, on the same machine too.
+		return append(g, shm.New(shm.Config{})), nil
 	case "rdma":
 		r, err := f.rdmaTransport(reg)
 		if err != nil {
