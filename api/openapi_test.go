@@ -148,8 +148,16 @@ func check(t *testing.T, doc *openapi3.T, router routers.Router, base, method, p
 	}
 }
 
-// TestOpenAPI validates real responses of a server over the real engine.
-func TestOpenAPI(t *testing.T) {
+// apiCall is one request and the status it must get.
+type apiCall struct {
+	method, path, body string
+	status             int
+}
+
+// exercise makes each call against url, validating request and answer
+// against openapi.yaml, and returns the document and the paths exercised.
+func exercise(t *testing.T, url string, calls []apiCall) (*openapi3.T, map[string]bool) {
+	t.Helper()
 	openapi3filter.RegisterBodyDecoder("text/event-stream", func(r io.Reader, _ http.Header, _ *openapi3.SchemaRef, _ openapi3filter.EncodingFn) (any, error) {
 		b, err := io.ReadAll(r)
 		return string(b), err
@@ -160,11 +168,19 @@ func TestOpenAPI(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	covered := map[string]bool{}
+	for _, c := range calls {
+		check(t, doc, router, url, c.method, c.path, c.body, c.status)
+		route, _, _ := router.FindRoute(httptest.NewRequest(c.method, c.path, nil))
+		covered[route.Path] = true
+	}
+	return doc, covered
+}
+
+// TestOpenAPI validates real responses of a server over the real engine.
+func TestOpenAPI(t *testing.T) {
 	ts := realServer(t)
-	calls := []struct {
-		method, path, body string
-		status             int
-	}{
+	doc, covered := exercise(t, ts.URL, []apiCall{
 		{"POST", "/generate", `{"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}`, 200},
 		{"POST", "/generate", `{"text": ["a", "b"], "return_logprob": true, "top_logprobs_num": 2, "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 3}}`, 200},
 		{"POST", "/generate", `{"input_ids": [[1, 2, 3], [4, 5]], "rid": ["x", "y"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3, "n": 1}]}`, 200},
@@ -195,13 +211,7 @@ func TestOpenAPI(t *testing.T) {
 		{"POST", "/abort_request", `{"rid": "not-running"}`, 200},
 		{"POST", "/flush_cache", "", 200},
 		{"GET", "/metrics", "", 200},
-	}
-	covered := map[string]bool{}
-	for _, c := range calls {
-		check(t, doc, router, ts.URL, c.method, c.path, c.body, c.status)
-		route, _, _ := router.FindRoute(httptest.NewRequest(c.method, c.path, nil))
-		covered[route.Path] = true
-	}
+	})
 	for _, p := range doc.Paths.InMatchingOrder() {
 		if !covered[p] {
 			t.Errorf("openapi.yaml's %s is never exercised", p)
@@ -242,21 +252,8 @@ func realLB(t *testing.T) *httptest.Server {
 // TestOpenAPILB validates the load balancer's answers, over a real prefill and
 // decode, against the operations marked x-lb: every one is exercised.
 func TestOpenAPILB(t *testing.T) {
-	openapi3filter.RegisterBodyDecoder("text/event-stream", func(r io.Reader, _ http.Header, _ *openapi3.SchemaRef, _ openapi3filter.EncodingFn) (any, error) {
-		b, err := io.ReadAll(r)
-		return string(b), err
-	})
-	defer openapi3filter.UnregisterBodyDecoder("text/event-stream")
-	doc := loadDoc(t)
-	router, err := legacy.NewRouter(doc)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ts := realLB(t)
-	calls := []struct {
-		method, path, body string
-		status             int
-	}{
+	doc, covered := exercise(t, ts.URL, []apiCall{
 		{"POST", "/generate", `{"text": "Once upon a time", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}`, 200},
 		{"POST", "/generate", `{"text": ["a", "b"], "return_logprob": true, "top_logprobs_num": 2, "return_text_in_logprobs": true, "sampling_params": {"max_new_tokens": 3}}`, 200},
 		{"POST", "/generate", `{"input_ids": [[1, 2, 3], [4, 5]], "rid": ["x", "y"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3, "n": 1}]}`, 200},
@@ -277,13 +274,7 @@ func TestOpenAPILB(t *testing.T) {
 		{"GET", "/server_info", "", 200},
 		{"POST", "/flush_cache", "", 200},
 		{"GET", "/metrics", "", 200},
-	}
-	covered := map[string]bool{}
-	for _, c := range calls {
-		check(t, doc, router, ts.URL, c.method, c.path, c.body, c.status)
-		route, _, _ := router.FindRoute(httptest.NewRequest(c.method, c.path, nil))
-		covered[route.Path] = true
-	}
+	})
 	for p, item := range doc.Paths.Map() {
 		for _, op := range item.Operations() {
 			if lbOp, _ := op.Extensions["x-lb"].(bool); lbOp != covered[p] {
