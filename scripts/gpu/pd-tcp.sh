@@ -74,8 +74,9 @@ for be in ${BACKENDS:-tcp}; do
 	$mc lb --prefill "http://127.0.0.1:$pp" --decode "http://127.0.0.1:$dp" --port $lp --log-level warn >"$log/lb-$be.log" 2>&1 &
 	pid_l=$!
 	health "http://127.0.0.1:$lp"
-	greedy "http://127.0.0.1:$lp" "$w/pd.json"
-	python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print("1P1D over", sys.argv[3], "greedy outputs equal colocated:", a==b); sys.exit(a!=b)' "$w/colocated.json" "$w/pd.json" $be || rc=1
+	rm -f "$w/pd.json" # a failed run must not compare the last backend's outputs
+	greedy "http://127.0.0.1:$lp" "$w/pd.json" || { echo "FAIL greedy requests over $be"; rc=1; }
+	[ -f "$w/pd.json" ] && python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print("1P1D over", sys.argv[3], "greedy outputs equal colocated:", a==b); sys.exit(a!=b)' "$w/colocated.json" "$w/pd.json" $be || rc=1
 	curl -s "http://127.0.0.1:$pp/metrics" | grep -E '^mooncake_transfer_bytes_total|^mooncake_disagg_transfer_seconds_(sum|count)|^mooncake_disagg_requests_total'
 	[ "${BACKENDS:-tcp}" != tcp ] && ttft "http://127.0.0.1:$lp" $be
 	kill $pid_l $pid_p $pid_d; wait $pid_l $pid_p $pid_d 2>/dev/null
