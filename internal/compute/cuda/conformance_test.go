@@ -1,17 +1,9 @@
 package cuda
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-	"encoding/json"
-	"errors"
-	"io/fs"
 	"math"
-	"os"
-	"path/filepath"
 	"runtime"
-	"sort"
-	"strings"
+	"slices"
 	"testing"
 	"unsafe"
 
@@ -137,24 +129,6 @@ func (b *Backend) pageKV(l int, kind kvcache.Kind, p int) ([]float32, error) {
 	return out, nil
 }
 
-// goldenDir holds the transformers fixtures (scripts/golden.sh).
-const goldenDir = "../../model/testdata/golden"
-
-type goldenFixture struct {
-	Architecture  string `json:"architecture"`
-	WeightsSHA256 string `json:"weights_sha256"`
-	Prompts       []struct {
-		IDs      []int32      `json:"ids"`
-		Float32  goldenResult `json:"float32"`
-		BFloat16 goldenResult `json:"bfloat16"`
-	} `json:"prompts"`
-}
-
-type goldenResult struct {
-	Top    [][2]float64 `json:"top"` // [id, logit]
-	Greedy []int32      `json:"greedy"`
-}
-
 // TestGolden checks every tiny architecture the backend supports, written
 // as convert --random writes it (seed 0) and loaded from disk, against
 // transformers' runs of the same directory (internal/model/testdata/golden),
@@ -172,40 +146,9 @@ type goldenResult struct {
 //     differ where the top two are closer than bf16's error).
 func TestGolden(t *testing.T) {
 	gpuOrSkip(t)
-	shapes := model.TinyShapes()
-	names := make([]string, 0, len(shapes))
-	for n := range shapes {
-		names = append(names, n)
-	}
-	sort.Strings(names)
-	for _, name := range names {
+	for _, name := range computetest.GoldenShapes() {
 		t.Run(name, func(t *testing.T) {
-			b, err := os.ReadFile(filepath.Join(goldenDir, name+".json"))
-			if errors.Is(err, fs.ErrNotExist) {
-				t.Skipf("no transformers fixture for %s", name)
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			var f goldenFixture
-			if err := json.Unmarshal(b, &f); err != nil {
-				t.Fatal(err)
-			}
-			dir := t.TempDir()
-			if err := model.WriteRandom(name, dir, 0, ""); err != nil {
-				t.Fatal(err)
-			}
-			if sum := weightsSHA256(t, dir); sum != f.WeightsSHA256 {
-				t.Fatalf("the weights convert --random writes for %s (sha256 %s) are not the fixture's (%s)", name, sum, f.WeightsSHA256)
-			}
-			m, err := model.Load(dir)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { m.Close() })
-			if m.Config.ArchName() != f.Architecture {
-				t.Fatalf("architecture %s, fixture %s", m.Config.ArchName(), f.Architecture)
-			}
+			f, m := computetest.LoadGolden(t, name)
 			if why := unsupported(m.Config); why != "" {
 				t.Skip(why)
 			}
@@ -246,7 +189,7 @@ func TestGolden(t *testing.T) {
 							got[s] = argmax(logits[s])
 						}
 						if dt == "float32" {
-							if !equalIDs(got, want.Greedy) {
+							if !slices.Equal(got, want.Greedy) {
 								t.Errorf("prompt %d: greedy %v, transformers float32 %v", i, got, want.Greedy)
 							}
 						} else if got[0] != want.Greedy[0] && got[0] != p.BFloat16.Greedy[0] {
@@ -259,34 +202,4 @@ func TestGolden(t *testing.T) {
 			}
 		})
 	}
-}
-
-func weightsSHA256(t *testing.T, dir string) string {
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	h := sha256.New()
-	for _, e := range ents { // ReadDir sorts by name, as the script does
-		if strings.HasSuffix(e.Name(), ".safetensors") {
-			b, err := os.ReadFile(filepath.Join(dir, e.Name()))
-			if err != nil {
-				t.Fatal(err)
-			}
-			h.Write(b)
-		}
-	}
-	return hex.EncodeToString(h.Sum(nil))
-}
-
-func equalIDs(a, b []int32) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
