@@ -13,7 +13,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -23,14 +22,8 @@ import (
 	"github.com/getkin/kin-openapi/routers/legacy"
 	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/mooncake-go/mooncake-go/internal/compute/cpu"
-	"github.com/mooncake-go/mooncake-go/internal/engine"
-	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/lb"
 	"github.com/mooncake-go/mooncake-go/internal/lb/lbtest"
-	"github.com/mooncake-go/mooncake-go/internal/model"
-	"github.com/mooncake-go/mooncake-go/internal/server"
-	"github.com/mooncake-go/mooncake-go/internal/tokenizer"
 )
 
 func loadDoc(t *testing.T) *openapi3.T {
@@ -49,39 +42,8 @@ func loadDoc(t *testing.T) *openapi3.T {
 // the CPU backend, with a prefix cache).
 func realServer(t *testing.T) *httptest.Server {
 	t.Helper()
-	m, tok := model.Builtin(), tokenizer.NewByteLevel()
-	l := cpu.LayoutFor(m.Config, 16, 64)
-	pool, err := kvcache.NewPool(l, make([]byte, l.TotalBytes()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := cpu.New(m, pool, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	reg := prometheus.NewRegistry()
-	e, err := engine.New(engine.Config{Model: b, Pages: pool.Alloc, Cache: kvcache.NewRadix(pool.Alloc, l.PageSize), Tokenizer: tok, Registerer: reg})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() { defer wg.Done(); _ = e.Run(ctx) }()
-	s, err := server.New(server.Config{Generator: e, Tokenizer: tok, ModelName: "builtin", ModelPath: "", RandomWeights: true,
-		ContextLen: m.Config.MaxSeqLen, PrefixCache: true, PageSize: l.PageSize, Version: "test", Registerer: reg, Gatherer: reg,
-		ServerArgs: map[string]any{"tp_size": 1}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ts := httptest.NewServer(s.Handler())
-	t.Cleanup(func() {
-		ts.Close()
-		cancel()
-		_ = e.Close()
-		wg.Wait()
-		b.Close()
-	})
+	ts := httptest.NewServer(lbtest.Server(t, map[string]any{"tp_size": 1}))
+	t.Cleanup(ts.Close)
 	return ts
 }
 

@@ -40,8 +40,8 @@ type Servers struct {
 // Start starts the servers; the test's cleanup stops them.
 func Start(t testing.TB) *Servers {
 	t.Helper()
-	pre := newServer(t)
-	dec := newServer(t)
+	pre := Server(t, nil)
+	dec := Server(t, nil)
 	return &Servers{
 		Prefill:   serve(t, asRole(pre, map[string]any{"disaggregation_mode": "prefill", "bootstrap_port": BootstrapPort})),
 		Decode:    serve(t, asRole(dec, map[string]any{"disaggregation_mode": "decode"})),
@@ -76,8 +76,10 @@ func asRole(h http.Handler, info map[string]any) http.Handler {
 	})
 }
 
-// newServer is a server over its own engine, with a prefix cache.
-func newServer(t testing.TB) http.Handler {
+// Server is a colocated server over its own engine (the built-in model on
+// the CPU backend, with a prefix cache) reporting args as its server args;
+// the test's cleanup stops it.
+func Server(t testing.TB, args map[string]any) http.Handler {
 	t.Helper()
 	m, tok := model.Builtin(), tokenizer.NewByteLevel()
 	l := cpu.LayoutFor(m.Config, 16, 64)
@@ -106,7 +108,8 @@ func newServer(t testing.TB) http.Handler {
 		b.Close()
 	})
 	s, err := server.New(server.Config{Generator: e, Tokenizer: tok, ModelName: Model, RandomWeights: true,
-		ContextLen: m.Config.MaxSeqLen, PrefixCache: true, PageSize: l.PageSize, Version: "test", Registerer: reg, Gatherer: reg})
+		ContextLen: m.Config.MaxSeqLen, PrefixCache: true, PageSize: l.PageSize, Version: "test", Registerer: reg, Gatherer: reg,
+		ServerArgs: args})
 	if err != nil {
 		t.Fatal(err)
 	}
