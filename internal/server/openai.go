@@ -509,9 +509,8 @@ func (rn *run) chatLogprobs(from, to int) *chatLogprobs {
 // openaiPrepare runs the steps both OpenAI endpoints share after decoding:
 // the model check, tokenization and submission.
 func (s *Server) openaiPrepare(r *http.Request, rn *run, o *openaiSpec) *Error {
-	if !s.knownModel(o.model) {
-		return &Error{Status: http.StatusNotFound, Param: "model",
-			Message: "the model " + jsonQuote(o.model) + " does not exist; this server serves " + jsonQuote(s.cfg.ModelName)}
+	if e := s.checkModel(o.model); e != nil {
+		return e
 	}
 	return s.submitAll(r, rn, &o.spec)
 }
@@ -675,8 +674,12 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handleModel(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("model")
-	if name == "" || !s.knownModel(name) {
-		writeError(w, &Error{Status: http.StatusNotFound, Param: "model", Message: "the model " + jsonQuote(name) + " does not exist"})
+	e := s.checkModel(name)
+	if name == "" { // GET /v1/models/
+		e = &Error{Status: http.StatusNotFound, Param: "model", Message: "no model named: GET /v1/models/{model}"}
+	}
+	if e != nil {
+		writeError(w, e)
 		return
 	}
 	writeJSON(w, http.StatusOK, s.card())

@@ -372,7 +372,27 @@ func defaultChatTemplate(t Tokenizer) func([]ChatMessage, map[string]any) (strin
 
 func (s *Server) ready() bool { return s.cfg.Ready == nil || s.cfg.Ready() }
 
-// knownModel reports whether a request's "model" names the served model.
-func (s *Server) knownModel(name string) bool {
-	return name == "" || name == s.cfg.ModelName || (s.cfg.ModelPath != "" && name == s.cfg.ModelPath)
+// checkModel is the 404 for a request whose "model" does not name the
+// served model (its name or its path; empty means the served one), nil
+// when it does.
+func (s *Server) checkModel(name string) *Error {
+	if name == "" || name == s.cfg.ModelName || (s.cfg.ModelPath != "" && name == s.cfg.ModelPath) {
+		return nil
+	}
+	return &Error{Status: http.StatusNotFound, Param: "model",
+		Message: "the model " + jsonQuote(name) + " does not exist; this server serves " + jsonQuote(s.cfg.ModelName)}
+}
+
+// readObject reads r's body into the JSON object v, answering the error
+// itself when it cannot (false).
+func (s *Server) readObject(w http.ResponseWriter, r *http.Request, v any) bool {
+	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
+	if e == nil {
+		e = unmarshalObject(body, v)
+	}
+	if e != nil {
+		writeError(w, e)
+		return false
+	}
+	return true
 }

@@ -196,6 +196,8 @@ func TestBadInput(t *testing.T) {
 		{"completions/model", "POST", "/v1/completions", `{"model": "gpt-4", "prompt": "a"}`, 404, "gpt-4"},
 		{"chat/model", "POST", "/v1/chat/completions", `{"model": "gpt-4", "messages": [{"role": "user", "content": "a"}]}`, 404, "gpt-4"},
 		{"models/unknown", "GET", "/v1/models/gpt-4", ``, 404, "gpt-4"},
+		{"models/none", "GET", "/v1/models/", ``, 404, "no model named"},
+		{"tokenize/model", "POST", "/tokenize", `{"model": "gpt-4", "prompt": "a"}`, 404, "this server serves"},
 		// oversize body
 		{"generate/oversize", "POST", "/generate", huge, 413, "larger than 4096"},
 		{"completions/oversize", "POST", "/v1/completions", huge, 413, "larger than 4096"},

@@ -22,18 +22,12 @@ type tokenizeRequest struct {
 }
 
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
-	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
-	if e != nil {
-		writeError(w, e)
-		return
-	}
 	var q tokenizeRequest
-	if e := unmarshalObject(body, &q); e != nil {
-		writeError(w, e)
+	if !s.readObject(w, r, &q) {
 		return
 	}
-	if !s.knownModel(q.Model) {
-		writeError(w, &Error{Status: http.StatusNotFound, Param: "model", Message: "the model " + jsonQuote(q.Model) + " does not exist"})
+	if e := s.checkModel(q.Model); e != nil {
+		writeError(w, e)
 		return
 	}
 	ps, batch, e := decodePrompts("prompt", q.Prompt, promptText)
@@ -91,18 +85,12 @@ type decoder interface {
 }
 
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
-	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
-	if e != nil {
-		writeError(w, e)
-		return
-	}
 	var q detokenizeRequest
-	if e := unmarshalObject(body, &q); e != nil {
-		writeError(w, e)
+	if !s.readObject(w, r, &q) {
 		return
 	}
-	if !s.knownModel(q.Model) {
-		writeError(w, &Error{Status: http.StatusNotFound, Param: "model", Message: "the model " + jsonQuote(q.Model) + " does not exist"})
+	if e := s.checkModel(q.Model); e != nil {
+		writeError(w, e)
 		return
 	}
 	if v := q.SkipSpecialTokens; v != nil && !*v {
@@ -214,14 +202,8 @@ func (*abortRequest) extraFields() fieldRules { return abortExtras }
 
 // handleAbort is SGLang's POST /abort_request: {"rid": ...} or {"abort_all": true}.
 func (s *Server) handleAbort(w http.ResponseWriter, r *http.Request) {
-	body, e := readBody(w, r, s.cfg.MaxBodyBytes)
-	if e != nil {
-		writeError(w, e)
-		return
-	}
 	var q abortRequest
-	if e := unmarshalObject(body, &q); e != nil {
-		writeError(w, e)
+	if !s.readObject(w, r, &q) {
 		return
 	}
 	if q.RID == "" && !q.AbortAll {
