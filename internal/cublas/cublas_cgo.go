@@ -61,9 +61,8 @@ static st_t mc_gemm_sb(uintptr_t h, int ta, int tb, int m, int n, int k, float a
 import "C"
 
 import (
-	"errors"
-	"fmt"
 	"sync"
+	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/internal/dl"
 )
@@ -77,21 +76,12 @@ var lib struct {
 // Load loads libcublas (once per process) and reports the soname used.
 func Load() (string, error) {
 	lib.once.Do(func() {
-		h, err := dl.OpenFirst(Libraries, dl.RTLD_NOW|dl.RTLD_NODELETE)
-		if err != nil {
-			msg := err.Error()
-			var de *dl.Error
-			if errors.As(err, &de) {
-				msg = de.Msg
+		lib.name, lib.err = dl.Bind(Libraries, ErrNoLibrary, func(raw unsafe.Pointer) string {
+			if miss := C.mc_cublas_bind(raw); miss != nil {
+				return C.GoString(miss)
 			}
-			lib.err = fmt.Errorf("%w (%s)", ErrNoLibrary, msg)
-			return
-		}
-		if miss := C.mc_cublas_bind(h.Raw()); miss != nil {
-			lib.err = fmt.Errorf("%w (%s: missing symbol %s)", ErrNoLibrary, h.Name, C.GoString(miss))
-			return
-		}
-		lib.name = h.Name
+			return ""
+		})
 	})
 	return lib.name, lib.err
 }

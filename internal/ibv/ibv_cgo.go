@@ -238,21 +238,12 @@ var lib struct {
 // Load loads libibverbs (once per process) and reports the soname used.
 func Load() (string, error) {
 	lib.once.Do(func() {
-		h, err := dl.OpenFirst(Libraries, dl.RTLD_NOW|dl.RTLD_NODELETE)
-		if err != nil {
-			msg := err.Error()
-			var de *dl.Error
-			if errors.As(err, &de) {
-				msg = de.Msg
+		lib.name, lib.err = dl.Bind(Libraries, verbs.ErrUnavailable, func(raw unsafe.Pointer) string {
+			if miss := C.mc_ibv_bind(raw); miss != nil {
+				return C.GoString(miss)
 			}
-			lib.err = fmt.Errorf("%w (%s)", verbs.ErrUnavailable, msg)
-			return
-		}
-		if miss := C.mc_ibv_bind(h.Raw()); miss != nil {
-			lib.err = fmt.Errorf("%w (%s: missing symbol %s)", verbs.ErrUnavailable, h.Name, C.GoString(miss))
-			return
-		}
-		lib.name = h.Name
+			return ""
+		})
 	})
 	return lib.name, lib.err
 }

@@ -59,10 +59,10 @@ static nres_t mc_broadcast(uintptr_t b, size_t n, int dt, int root, uintptr_t c,
 import "C"
 
 import (
-	"errors"
 	"fmt"
 	"runtime"
 	"sync"
+	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/internal/dl"
 )
@@ -78,21 +78,13 @@ var lib struct {
 // Load loads libnccl (once per process) and reports the soname used.
 func Load() (string, error) {
 	lib.once.Do(func() {
-		h, err := dl.OpenFirst(Libraries, dl.RTLD_NOW|dl.RTLD_NODELETE)
-		if err != nil {
-			msg := err.Error()
-			var de *dl.Error
-			if errors.As(err, &de) {
-				msg = de.Msg
+		lib.name, lib.err = dl.Bind(Libraries, ErrNoLibrary, func(raw unsafe.Pointer) string {
+			if miss := C.mc_nccl_bind(raw); miss != nil {
+				return C.GoString(miss)
 			}
-			lib.err = fmt.Errorf("%w (%s)", ErrNoLibrary, msg)
-			return
-		}
-		if miss := C.mc_nccl_bind(h.Raw()); miss != nil {
-			lib.err = fmt.Errorf("%w (%s: missing symbol %s)", ErrNoLibrary, h.Name, C.GoString(miss))
-			return
-		}
-		lib.name, lib.bound = h.Name, true
+			return ""
+		})
+		lib.bound = lib.err == nil
 	})
 	return lib.name, lib.err
 }
