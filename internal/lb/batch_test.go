@@ -192,7 +192,7 @@ type load0 struct{ inflight, peak atomic.Int32 }
 
 func newEchoServer(t *testing.T, mode string, hold time.Duration, l *load0) *echoServer {
 	rec := &echoServer{fakeServer: newFake(t, mode)}
-	rec.answer = func(w http.ResponseWriter, r *http.Request, b map[string]any) {
+	rec.setAnswer(func(w http.ResponseWriter, r *http.Request, b map[string]any) {
 		n := l.inflight.Add(1)
 		defer l.inflight.Add(-1)
 		for p := l.peak.Load(); n > p && !l.peak.CompareAndSwap(p, n); p = l.peak.Load() {
@@ -200,7 +200,7 @@ func newEchoServer(t *testing.T, mode string, hold time.Duration, l *load0) *ech
 		time.Sleep(hold)
 		echo, _ := json.Marshal(b)
 		fmt.Fprintf(w, `{"text": %q, "output_ids": [], "meta_info": {}}`, echo)
-	}
+	})
 	return rec
 }
 
@@ -282,7 +282,7 @@ func TestSplitAnswers(t *testing.T) {
 	p, d := newFake(t, "prefill"), newFake(t, "decode")
 	var failOn atomic.Value // a prompt the decode refuses
 	failOn.Store("")
-	d.answer = func(w http.ResponseWriter, r *http.Request, b map[string]any) {
+	d.setAnswer(func(w http.ResponseWriter, r *http.Request, b map[string]any) {
 		if _, ok := b["bootstrap_room"]; !ok {
 			w.WriteHeader(400)
 			w.Write([]byte(`{"error":{"message":"no room","type":"invalid_request_error","param":null,"code":400}}`))
@@ -300,7 +300,7 @@ func TestSplitAnswers(t *testing.T) {
 			return
 		}
 		fmt.Fprintf(w, `{"text":%s,"output_ids":[1],"meta_info":{}}`, text)
-	}
+	})
 	_, lb, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}, MaxBatch: 8})
 	for _, c := range []struct {
 		body  string
@@ -355,11 +355,11 @@ func TestSplitAnswers(t *testing.T) {
 		}
 	}
 	// An OpenAI list's choices and usage.
-	d.answer = func(w http.ResponseWriter, r *http.Request, b map[string]any) {
+	d.setAnswer(func(w http.ResponseWriter, r *http.Request, b map[string]any) {
 		fmt.Fprintf(w, `{"id":"cmpl-%v","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":%q,"logprobs":null,"finish_reason":"length"}],`+
 			`"usage":{"prompt_tokens":%d,"completion_tokens":2,"total_tokens":%d,"prompt_tokens_details":{"cached_tokens":1}}}`,
 			b["rid"], b["prompt"], len(b["prompt"].(string)), len(b["prompt"].(string))+2)
-	}
+	})
 	a := postAnswer(t, lb.URL+"/v1/completions", `{"prompt": ["ab", "cde"], "n": 2, "rid": "q"}`)
 	want := `{"id":"cmpl-q_0","object":"text_completion","created":1,"model":"m","choices":[` +
 		`{"index":0,"text":"ab","logprobs":null,"finish_reason":"length"},{"index":1,"text":"ab","logprobs":null,"finish_reason":"length"},` +
@@ -377,7 +377,7 @@ func TestSplitAnswers(t *testing.T) {
 func TestSplitStreamFailure(t *testing.T) {
 	p, d := newFake(t, "prefill"), newFake(t, "decode")
 	var canceled atomic.Int32
-	d.answer = func(w http.ResponseWriter, r *http.Request, b map[string]any) {
+	d.setAnswer(func(w http.ResponseWriter, r *http.Request, b map[string]any) {
 		w.Header().Set("Content-Type", "text/event-stream")
 		fmt.Fprintf(w, "data: {\"text\":%q}\n\n", b["text"])
 		w.(http.Flusher).Flush()
@@ -388,7 +388,7 @@ func TestSplitStreamFailure(t *testing.T) {
 		}
 		<-r.Context().Done() // the others run until canceled
 		canceled.Add(1)
-	}
+	})
 	_, lb, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}})
 	a := postAnswer(t, lb.URL+"/generate", `{"text": ["a", "bad", "c"], "stream": true}`)
 	if a.status != 200 || a.done || !strings.Contains(a.raw, `data: {"error":{"message":"device lost"`) {
@@ -414,14 +414,14 @@ func TestSplitClientLeaves(t *testing.T) {
 	var started, ended sync.WaitGroup
 	started.Add(3)
 	ended.Add(3)
-	d.gen = func(w http.ResponseWriter, r *http.Request) {
+	d.setGen(func(w http.ResponseWriter, r *http.Request) {
 		defer ended.Done()
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.Write([]byte("data: {\"text\":\"x\"}\n\n"))
 		w.(http.Flusher).Flush()
 		started.Done()
 		<-r.Context().Done()
-	}
+	})
 	l, lb, _ := startLB(t, Config{Prefill: []string{p.URL}, Decode: []string{d.URL}})
 	resp, err := http.Post(lb.URL+"/generate", "application/json", strings.NewReader(`{"text": ["a", "b", "c"], "stream": true}`))
 	if err != nil {

@@ -32,7 +32,7 @@ type fakeServer struct {
 	headers []http.Header
 	release chan struct{} // decode waits for it before answering, if set
 	// gen, if set, answers /generate after the body was recorded; answer,
-	// if set, too, with the body.
+	// if set, too, with the body (both under mu: setGen, setAnswer).
 	gen    func(w http.ResponseWriter, r *http.Request)
 	answer func(w http.ResponseWriter, r *http.Request, body map[string]any)
 	// healthGen, if set, is the status of /health_generate.
@@ -40,6 +40,20 @@ type fakeServer struct {
 	load      atomic.Pointer[map[string]any] // added to /get_server_info
 	// flushes counts POST /flush_cache; flushStatus, if set, is its answer.
 	flushes, flushStatus atomic.Int32
+}
+
+// setAnswer and setGen set answer and gen (under mu: a handler of an
+// earlier request may still be running).
+func (f *fakeServer) setAnswer(fn func(w http.ResponseWriter, r *http.Request, body map[string]any)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.answer = fn
+}
+
+func (f *fakeServer) setGen(fn func(w http.ResponseWriter, r *http.Request)) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.gen = fn
 }
 
 func newFake(t *testing.T, mode string) *fakeServer {
@@ -86,13 +100,14 @@ func newFake(t *testing.T, mode string) *fakeServer {
 			f.mu.Lock()
 			f.bodies = append(f.bodies, m)
 			f.headers = append(f.headers, r.Header.Clone())
+			answer, gen := f.answer, f.gen
 			f.mu.Unlock()
-			if f.answer != nil {
-				f.answer(w, r, m)
+			if answer != nil {
+				answer(w, r, m)
 				return
 			}
-			if f.gen != nil {
-				f.gen(w, r)
+			if gen != nil {
+				gen(w, r)
 				return
 			}
 			if f.fail.Load() {

@@ -239,18 +239,18 @@ func TestRetryOnPrefillFailure(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			bad, good := newFake(t, "prefill"), newFake(t, "prefill")
 			d := newFake(t, "decode")
-			bad.gen = func(w http.ResponseWriter, r *http.Request) {
+			bad.setGen(func(w http.ResponseWriter, r *http.Request) {
 				// Fail once the decode holds the room, as a real prefill would.
 				for end := time.Now().Add(5 * time.Second); d.count() == 0 && time.Now().Before(end); {
 					time.Sleep(time.Millisecond)
 				}
 				c.fail(w, r)
-			}
+			})
 			// The decode answers only once its room's prefill answered, as a
 			// real one does: the failed attempt's request must be canceled.
 			var canceled atomic.Int32
 			goodRooms := make(chan any, 4)
-			d.gen = func(w http.ResponseWriter, r *http.Request) {
+			d.setGen(func(w http.ResponseWriter, r *http.Request) {
 				d.mu.Lock()
 				room := d.bodies[len(d.bodies)-1]["bootstrap_room"]
 				d.mu.Unlock()
@@ -278,7 +278,7 @@ func TestRetryOnPrefillFailure(t *testing.T) {
 					case <-time.After(5 * time.Millisecond):
 					}
 				}
-			}
+			})
 			_, srv, reg := startLB(t, Config{Prefill: []string{bad.URL, good.URL}, Decode: []string{d.URL}, Policy: "round_robin"})
 			// Round robin: the first request goes to the bad prefill first.
 			if code, out := post(t, srv.URL+"/generate", `{"text":"x","stream":true}`); code != 200 || !strings.Contains(out, "[DONE]") {
@@ -300,10 +300,10 @@ func TestRetryOnPrefillFailure(t *testing.T) {
 func TestRetryOnce(t *testing.T) {
 	p1, p2 := newFake(t, "prefill"), newFake(t, "prefill")
 	for _, p := range []*fakeServer{p1, p2} {
-		p.gen = func(w http.ResponseWriter, r *http.Request) {
+		p.setGen(func(w http.ResponseWriter, r *http.Request) {
 			w.WriteHeader(503)
 			w.Write([]byte(`{"error":{"message":"engine: overloaded: 64 requests queued","code":503}}`))
-		}
+		})
 	}
 	d := newFake(t, "decode")
 	d.release = make(chan struct{})
@@ -315,7 +315,8 @@ func TestRetryOnce(t *testing.T) {
 	if n := metricValue(t, reg, "mooncake_lb_retries_total"); n != 1 {
 		t.Fatalf("retries %v, want 1", n)
 	}
-	p1.gen, p2.gen = nil, nil
+	p1.setGen(nil)
+	p2.setGen(nil)
 	p1.fail.Store(true)
 	p2.fail.Store(true)
 	code, out = post(t, srv.URL+"/generate", `{"text":""}`)
@@ -490,7 +491,7 @@ func TestDecode502BlamesPrefill(t *testing.T) {
 	p1.load.Store(&map[string]any{"bootstrap_port": 1111})
 	p2.load.Store(&map[string]any{"bootstrap_port": 2222})
 	d := newFake(t, "decode")
-	d.gen = func(w http.ResponseWriter, r *http.Request) {
+	d.setGen(func(w http.ResponseWriter, r *http.Request) {
 		d.mu.Lock()
 		port := d.bodies[len(d.bodies)-1]["bootstrap_port"]
 		d.mu.Unlock()
@@ -501,7 +502,7 @@ func TestDecode502BlamesPrefill(t *testing.T) {
 		}
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.Write([]byte("data: {\"text\":\"a\"}\n\ndata: [DONE]\n\n"))
-	}
+	})
 	l, srv, reg := startLB(t, Config{Prefill: []string{p1.URL, p2.URL}, Decode: []string{d.URL}, Policy: "round_robin"})
 	waitFor(t, 2*time.Second, func() bool {
 		return l.prefill[0].bootstrapPort.Load() == 1111 && l.prefill[1].bootstrapPort.Load() == 2222
