@@ -87,3 +87,118 @@ extern "C" __global__ void moe_combine(float *x, const float *ye, const int *row
 		x[(long long)t * dim + i] += o;
 	}
 }
+
+// moe_topk: for token t (one warp each; block any multiple of 32 threads),
+// the top k of the softmax over the first E (<= 32*TOPK_PER) of its stride
+// router logits, as the CPU backend picks them: experts by logit, the
+// lowest id on ties; the probabilities exp(l-max)/sum in double, rounded to
+// float, renormalised in float (in rank order) when norm is set. Writes
+// ids[t*k+j] and w[t*k+j], j in rank order.
+#define TOPK_PER 16
+#define MOE_NEG_INF __int_as_float(0xff800000)
+extern "C" __global__ void moe_topk(int *ids, float *w, const float *logits, int n, int stride, int E, int k, int norm) {
+	int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+	if (t >= n) return;
+	const float *l = logits + (long long)t * stride;
+	float v[TOPK_PER];
+	float mx = MOE_NEG_INF;
+#pragma unroll
+	for (int i = 0; i < TOPK_PER; i++) {
+		int e = lane + 32 * i;
+		v[i] = e < E ? l[e] : MOE_NEG_INF;
+		mx = fmaxf(mx, v[i]);
+	}
+	for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+	double s = 0.0;
+#pragma unroll
+	for (int i = 0; i < TOPK_PER; i++)
+		if (lane + 32 * i < E) s += exp((double)(v[i] - mx));
+	for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+	unsigned taken = 0;
+	float sum = 0.f;
+	for (int j = 0; j < k; j++) {
+		float bv = MOE_NEG_INF;
+		int bi = 0x7fffffff;
+#pragma unroll
+		for (int i = 0; i < TOPK_PER; i++) {
+			int e = lane + 32 * i;
+			if (e < E && !(taken >> i & 1u) && (bi == 0x7fffffff || v[i] > bv)) {
+				bv = v[i];
+				bi = e;
+			}
+		}
+		for (int o = 16; o > 0; o >>= 1) {
+			float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+			int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+			if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
+				bv = ov;
+				bi = oi;
+			}
+		}
+		if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
+		float p = (float)(exp((double)(bv - mx)) / s);
+		sum += p;
+		if (lane == 0) {
+			ids[(long long)t * k + j] = bi;
+			w[(long long)t * k + j] = p;
+		}
+	}
+	if (norm && lane == 0)
+		for (int j = 0; j < k; j++) w[(long long)t * k + j] /= sum;
+}
+
+// moe_sort: the nk (token, rank) pairs of moe_topk sorted by expert,
+// stably (pair order within an expert): rows[p] is pair p's sorted row,
+// src[row] its token (p / k), offs[e] .. offs[e+1] expert e's rows
+// (E+1 entries), act[0 .. *nact) the experts with rows, in id order. One
+// block of MOE_SORT_WARPS warps, E <= MOE_MAXE: each warp counts a
+// contiguous range of the pairs, the ranges' bases come from an exclusive
+// scan, then each warp places its pairs 32 at a time (a pair's rank among
+// the equal ids before it in its group from shuffles). Deterministic: no
+// result depends on timing.
+#define MOE_SORT_WARPS 16
+#define MOE_MAXE 512
+extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *rows, int *src, int *offs, int *act,
+	int *nact, const int *ids, int nk, int k, int E) {
+	__shared__ int hist[MOE_SORT_WARPS][MOE_MAXE];
+	int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+	for (int i = tid; i < MOE_SORT_WARPS * MOE_MAXE; i += blockDim.x) hist[i / MOE_MAXE][i % MOE_MAXE] = 0;
+	__syncthreads();
+	int per = (nk + MOE_SORT_WARPS - 1) / MOE_SORT_WARPS;
+	int p0 = warp * per, p1 = min(nk, p0 + per);
+	for (int p = p0 + lane; p < p1; p += 32) atomicAdd(&hist[warp][ids[p]], 1);
+	__syncthreads();
+	if (tid == 0) {
+		int off = 0, na = 0;
+		for (int e = 0; e < E; e++) {
+			offs[e] = off;
+			int c = off;
+			for (int w = 0; w < MOE_SORT_WARPS; w++) {
+				int h = hist[w][e];
+				hist[w][e] = c;
+				c += h;
+			}
+			if (c > off) act[na++] = e;
+			off = c;
+		}
+		offs[E] = off;
+		*nact = na;
+	}
+	__syncthreads();
+	for (int g = p0; g < p1; g += 32) {
+		int p = g + lane;
+		int id = p < p1 ? ids[p] : -1;
+		unsigned peers = 0;
+		for (int j = 0; j < 32; j++)
+			if (__shfl_sync(0xffffffffu, id, j) == id) peers |= 1u << j;
+		int row = 0;
+		if (id >= 0) row = hist[warp][id] + __popc(peers & ((1u << lane) - 1u));
+		__syncwarp();
+		if (id >= 0 && (peers & ((1u << lane) - 1u)) == 0) hist[warp][id] += __popc(peers);
+		__syncwarp();
+		if (id >= 0) {
+			rows[p] = row;
+			src[row] = p / k;
+		}
+	}
+}

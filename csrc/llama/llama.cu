@@ -1112,9 +1112,16 @@ struct sk_args {
 	int *cnt;
 	int n, out, in, cps, ntab, nheads, nkv, interleaved;
 	float beta;
+	// grouped (moe_sk_*): the tile's first sorted row, and the token of
+	// each sorted row (0: X's rows are the sorted rows)
+	const int *src;
+	int r0;
 };
 
-template <int MODE>
+// gemm_sk: the skinny GEMM of up to SK_NT*8 token rows. G: a tile of one
+// expert's sorted rows (moe_sk), X row i being X[src[r0+i]] (or X[r0+i])
+// and output row i the sorted row r0+i; no split-K (gridDim.y == 1).
+template <int MODE, bool G = false>
 __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 	__shared__ __align__(16) bf16_t xs[2][SK_NT * 8][SK_XS];
 	__shared__ float cs[SK_ROWS][SK_CS];
@@ -1125,8 +1132,9 @@ __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 	int nchunk = (a.in + SK_KC - 1) / SK_KC;
 	int c0 = ks * a.cps, c1 = min(c0 + a.cps, nchunk);
 	int wr = MODE == SK_SILU ? (warp < 4 ? rb * 64 + 16 * warp : a.out + rb * 64 + 16 * (warp - 4)) : rb * SK_ROWS + 16 * warp;
-	int rows = MODE == SK_SILU ? 2 * a.out : a.out;
-	bool va = wr + gid < rows, vb = wr + gid + 8 < rows;
+	// rows below lim are valid: a gate warp's stop at hidden, an up warp's at 2*hidden
+	int lim = MODE == SK_SILU && warp >= 4 ? 2 * a.out : a.out;
+	bool va = wr + gid < lim, vb = wr + gid + 8 < lim;
 	const bf16_t *wa = a.W + (long long)(va ? wr + gid : 0) * a.in;
 	const bf16_t *wb = a.W + (long long)(vb ? wr + gid + 8 : 0) * a.in;
 	float acc[SK_NT][4];
@@ -1138,7 +1146,9 @@ __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 		for (int i = tid; i < nt * 8 * (SK_KC / 8); i += blockDim.x) {
 			int tok = i / (SK_KC / 8), piece = i % (SK_KC / 8), k = k0 + piece * 8;
 			bool ok = tok < a.n && k < a.in;
-			const bf16_t *src = a.X + (ok ? (long long)tok * a.in + k : 0);
+			long long xr = tok;
+			if (G && ok) xr = a.src ? a.src[a.r0 + tok] : a.r0 + tok;
+			const bf16_t *src = a.X + (ok ? xr * a.in + k : 0);
 			asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(&xs[st][tok][piece * 8])),
 				"l"(src), "r"(ok ? 16 : 0));
 		}
@@ -1235,7 +1245,7 @@ __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 		for (int i = tid; i < SK_ROWS * a.n; i += blockDim.x) {
 			int r = i % SK_ROWS, t = i / SK_ROWS, row = rb * SK_ROWS + r;
 			if (row < a.out) {
-				long long idx = (long long)t * a.out + row;
+				long long idx = (long long)(G ? a.r0 + t : t) * a.out + row;
 				float v = cs[r][t];
 				if (a.beta != 0.f) v = v + a.beta * a.Y[idx];
 				a.Y[idx] = v;
@@ -1244,8 +1254,9 @@ __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 	} else if (MODE == SK_SILU) {
 		for (int i = tid; i < 64 * a.n; i += blockDim.x) {
 			int ii = i % 64, t = i / 64;
+			if (rb * 64 + ii >= a.out) continue;
 			float g = bf2f(f2bf(cs[ii][t])), up = bf2f(f2bf(cs[64 + ii][t]));
-			a.h[(long long)t * a.out + rb * 64 + ii] = f2bf(g * (1.0f / (1.0f + expf(-g))) * up);
+			a.h[(long long)(G ? a.r0 + t : t) * a.out + rb * 64 + ii] = f2bf(g * (1.0f / (1.0f + expf(-g))) * up);
 		}
 	} else {
 		const int half = HEAD_DIM / 2;
@@ -1309,6 +1320,43 @@ extern "C" __global__ void __launch_bounds__(256) gemm_sk_silu(bf16_t *h, const 
 	a.W = W, a.X = X, a.h = h, a.n = n, a.out = hidden, a.in = in, a.cps = cps, a.part = part, a.cnt = cnt;
 	gemm_sk<SK_SILU>(a);
 }
+// moe_sk: the grouped skinny GEMM of a mixture-of-experts block. Block
+// (x, 0, s) takes the s-th expert with rows (e = act[s], s < *nact; the
+// others return), its weights W + e*wstride and its sorted rows offs[e] ..
+// offs[e+1], in tiles of SK_NT*8 rows: moe_sort's output, read on the
+// device, so the launch does not depend on the routing and can be
+// captured.
+template <int MODE>
+__device__ __forceinline__ void moe_sk(sk_args a, const int *act, const int *nact, const int *offs, long long wstride) {
+	int s = blockIdx.z;
+	if (s >= *nact) return;
+	int e = act[s], r0 = offs[e], rows = offs[e + 1] - r0;
+	a.W += (long long)e * wstride;
+	for (int t0 = 0; t0 < rows; t0 += SK_NT * 8) {
+		a.r0 = r0 + t0;
+		a.n = min(SK_NT * 8, rows - t0);
+		gemm_sk<MODE, true>(a);
+		__syncthreads();
+	}
+}
+// moe_sk_silu: h[row] (T, [rows][hidden]) = silu(x . Wg^T) * (x . Wu^T),
+// x = X[src[row]], for each expert's W = [gate; up] ([E][2*hidden][in]).
+// Grid (ceil(hidden/64), 1, slots).
+extern "C" __global__ void __launch_bounds__(256) moe_sk_silu(bf16_t *h, const bf16_t *X, const bf16_t *W,
+	const int *src, const int *act, const int *nact, const int *offs, int hidden, int in) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.h = h, a.src = src, a.out = hidden, a.in = in, a.cps = (in + SK_KC - 1) / SK_KC;
+	moe_sk<SK_SILU>(a, act, nact, offs, 2LL * hidden * in);
+}
+// moe_sk_down: Y[row] (f32, [rows][out]) = X[row] . W^T for each expert's
+// W ([E][out][in]). Grid (ceil(out/128), 1, slots).
+extern "C" __global__ void __launch_bounds__(256) moe_sk_down(float *Y, const bf16_t *X, const bf16_t *W,
+	const int *act, const int *nact, const int *offs, int out, int in) {
+	sk_args a = {};
+	a.W = W, a.X = X, a.Y = Y, a.out = out, a.in = in, a.cps = (in + SK_KC - 1) / SK_KC;
+	moe_sk<SK_PLAIN>(a, act, nact, offs, (long long)out * in);
+}
+
 #if SK_ROWS % HEAD_DIM == 0
 // gemm_sk_qkv: X . Wqkv^T, then rope_kv's work (its arguments). Grid
 // (ceil((QD+2KVD)/128), S).

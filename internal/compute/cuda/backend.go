@@ -7,8 +7,7 @@
 //
 // All GPU work of a backend runs on one stream of its own (non-blocking, so
 // it neither waits for nor blocks the legacy default stream, and can be
-// captured); cuBLAS runs on it with a fixed workspace. MoE layers route on
-// the host mid-pass, so MoE models run without CUDA graphs. Forward calls are
+// captured); cuBLAS runs on it with a fixed workspace. Forward calls are
 // serialised and lock their goroutine to an OS thread (cuBLAS uses the
 // thread's current context; a capture must end on the thread that began
 // it). A pass is planned first (plan.go: a pure function of the batch),
@@ -227,6 +226,7 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if err = b.loadKernels(); err != nil {
 		return nil, err
 	}
+	b.loadGrouped()
 	b.loadSampler()
 	if err = b.uploadWeights(m); err != nil {
 		return nil, err
@@ -234,9 +234,10 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	b.pc = planConfig{pageSize: opts.PageSize, split: b.fn.split, heads: c.Heads, kvHeads: c.KVHeads, headDim: c.HeadDim,
 		dim: c.Dim, hidden: c.HiddenDim, vocab: c.Vocab, eb: b.eb, flash: b.flash && !opts.NoFlashPrefill,
 		maxSeqLen: c.MaxSeqLen, partBudget: partBudget}
-	if c.Spec.MLP.MoE && !opts.DisableCUDAGraph {
-		// The MoE blocks route on the host in the middle of a pass.
-		b.lg.Info("CUDA graphs off: MoE layers route on the host", zap.String("architecture", c.ArchName()))
+	if c.Spec.MLP.MoE && !b.moeCapturable() && !opts.DisableCUDAGraph {
+		// Without the grouped expert GEMMs each MoE block waits for the host.
+		b.lg.Info("CUDA graphs off: this build's MoE blocks run one GEMM per expert, after a host step",
+			zap.String("architecture", c.ArchName()), zap.Bool("bf16", b.bf16))
 	} else if !opts.DisableCUDAGraph {
 		if b.graphs, err = b.newGraphs(cmp.Or(opts.CUDAGraphMaxBS, defaultGraphMaxBS)); err != nil {
 			return nil, err
@@ -286,7 +287,7 @@ func (b *Backend) allocKV() error {
 		// (in free, not yet in the share of total).
 		fixed := int64(cublasWorkspace)
 		if b.graphs != nil {
-			fixed += int64(b.graphs.sizes.total())
+			fixed += int64(b.graphs.sizes.total()) + int64(b.graphs.moe.bytes())
 		}
 		budget := int64(float64(total)*b.opts.MemFraction) - b.w.bytes - fixed - scratchReserve(c, b.eb)
 		budget = min(budget, int64(free)-scratchReserve(c, b.eb))
@@ -378,6 +379,7 @@ func (b *Backend) release() error {
 	errs = append(errs, b.cx.Synchronize())
 	if b.graphs != nil {
 		errs = append(errs, b.graphs.destroy())
+		b.graphs.moe.free(b)
 		b.graphs = nil
 	}
 	errs = append(errs, b.tm.destroy())

@@ -3,7 +3,6 @@ package cuda
 import (
 	"errors"
 	"fmt"
-	"math"
 	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/csrc"
@@ -30,15 +29,21 @@ func Supports(c model.Config) error {
 		return fmt.Errorf("%w: no architecture", ErrUnsupported)
 	case c.SlidingWindow > 0:
 		return fmt.Errorf("%w: %s with sliding-window attention (sliding_window %d)", ErrUnsupported, c.ArchName(), c.SlidingWindow)
+	case c.Spec.MLP.MoE && (c.Experts > moeMaxExperts || c.TopK > 32):
+		return fmt.Errorf("%w: %s with %d experts, top %d (the routing kernels take at most %d experts, top 32)",
+			ErrUnsupported, c.ArchName(), c.Experts, c.TopK, moeMaxExperts)
 	}
 	return nil
 }
 
 // blockKernels are the functions of the blocks kernel set (csrc/llama/blocks.cu),
-// loaded only for a Spec with q/k norms or experts.
+// loaded only for a Spec with q/k norms or experts, and the grouped expert
+// GEMMs of the llama set (moeSiLU, moeDown: nil when that set has none or
+// the shapes do not suit them).
 type blockKernels struct {
-	mod                           *cu.Module
-	qkNorm, moeGather, moeCombine *cu.Function
+	mod                                             *cu.Module
+	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
+	moeSiLU, moeDown                                *cu.Function
 }
 
 // needsBlocks says whether c's layers use the blocks kernel set.
@@ -63,13 +68,39 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 	for _, f := range []struct {
 		dst  **cu.Function
 		name string
-	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}} {
+	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
+		{&bk.moeSort, "moe_sort"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
 		}
 	}
 	return nil
 }
+
+// Routing limits of moe_topk and moe_sort (csrc/llama/blocks.cu).
+const (
+	moeTopKMax     = 32 * 16 // TOPK_PER
+	moeMaxExperts  = 512     // MOE_MAXE
+	moeSortThreads = 16 * 32 // MOE_SORT_WARPS
+)
+
+// loadGrouped finds the grouped expert GEMMs in the llama set (bf16 with
+// the second-generation kernels) when the expert shapes suit them.
+func (b *Backend) loadGrouped() {
+	c := &b.cfg
+	if !c.Spec.MLP.MoE || !b.bf16 || c.Dim%8 != 0 || c.ExpertDim%8 != 0 {
+		return
+	}
+	silu, err1 := b.mod.Function("moe_sk_silu")
+	down, err2 := b.mod.Function("moe_sk_down")
+	if err1 == nil && err2 == nil {
+		b.bk.moeSiLU, b.bk.moeDown = silu, down
+	}
+}
+
+// moeCapturable says whether the MoE blocks run without the host (the
+// routing and the grouped GEMMs on the device), so decode can be captured.
+func (b *Backend) moeCapturable() bool { return b.bk.moeDown != nil }
 
 // layerPass is what the blocks of one enqueued pass share: the plan, the
 // buffers and the launch shapes that depend on the pass alone.
@@ -86,6 +117,8 @@ type layerPass struct {
 	div         float32
 	layerBytes  cu.DevicePtr
 	partML      cu.DevicePtr
+	moe         *moeBufs // the pass's MoE buffers (eager or the graph arena's)
+	grouped     bool     // the MoE blocks run the grouped GEMMs (no host step)
 }
 
 func (lp *layerPass) meta(off int) cu.DevicePtr { return lp.d.meta + cu.DevicePtr(off*4) }
@@ -205,18 +238,29 @@ func (b *Backend) denseMLP(lp *layerPass, w *devLayer) {
 	r.gemm(d.x, true, d.h, w.w2, n, dim, hid, 1)
 }
 
-// moeBufs are the eager buffers of the MoE blocks; routed[k] rows are the
-// (token, rank) pairs, sorted by expert.
+// moeBufs are the buffers of the MoE blocks for passes of up to n tokens;
+// the routed rows are the (token, rank) pairs sorted by expert.
 type moeBufs struct {
-	logits     dbuf // router logits f32 [n][E (+1: the shared expert's gate)]
-	xe, gu, h  dbuf // T [routed][Dim], [routed][2*ExpertDim], [routed][ExpertDim]
-	ye         dbuf // f32 [routed][Dim]
-	meta       dbuf // int32 [routed] source token, [routed] row of each pair, f32 [routed] weight
-	sgu, sh    dbuf // shared expert: T [n][2*SharedExpertDim], [n][SharedExpertDim]
-	sy         dbuf // f32 [n][Dim]
-	hostLogits *cu.HostMem
-	stage      *cu.HostMem // the meta image
-	rt         router
+	n         int
+	logits    dbuf // router logits f32 [n][E (+1: the shared expert's gate)]
+	xe, gu, h dbuf // T [routed][Dim], [routed][2*ExpertDim], [routed][ExpertDim]
+	ye        dbuf // f32 [routed][Dim]
+	meta      dbuf // moe_topk's and moe_sort's output (moeMeta)
+	sgu, sh   dbuf // shared expert: T [n][2*SharedExpertDim], [n][SharedExpertDim]
+	sy        dbuf // f32 [n][Dim]
+	hostOffs  *cu.HostMem
+}
+
+// moeMeta is the layout of moeBufs.meta for nk pairs and e experts (int32
+// or f32 each): ids [nk], weights [nk], rows [nk], src [nk], offs [e+1],
+// act [e], nact [1].
+type moeMeta struct{ ids, wts, rows, src, offs, act, nact cu.DevicePtr }
+
+func moeLayout(base cu.DevicePtr, nk, e int) (moeMeta, uint64) {
+	at := func(i int) cu.DevicePtr { return base + cu.DevicePtr(i*4) }
+	m := moeMeta{ids: at(0), wts: at(nk), rows: at(2 * nk), src: at(3 * nk), offs: at(4 * nk), act: at(4*nk + e + 1),
+		nact: at(4*nk + 2*e + 1)}
+	return m, uint64(4*nk+2*e+2) * 4
 }
 
 func (m *moeBufs) free(b *Backend) {
@@ -226,9 +270,9 @@ func (m *moeBufs) free(b *Backend) {
 		}
 		*d = dbuf{}
 	}
-	m.hostLogits.Free()
-	m.stage.Free()
-	m.hostLogits, m.stage = nil, nil
+	m.hostOffs.Free()
+	m.hostOffs = nil
+	m.n = 0
 }
 
 // moeStride is the router GEMM's output row: the experts' logits, then the
@@ -240,52 +284,74 @@ func (b *Backend) moeStride() int {
 	return b.cfg.Experts
 }
 
-// ensureMoE grows the MoE buffers for a pass of n tokens (the stream is
-// idle).
-func (b *Backend) ensureMoE(n int) error {
+// ensureMoE grows m for passes of n tokens (the stream is idle).
+func (b *Backend) ensureMoE(m *moeBufs, n int) error {
 	c := &b.cfg
-	if !c.Spec.MLP.MoE {
+	if !c.Spec.MLP.MoE || n <= m.n {
 		return nil
 	}
-	m := &b.moe
 	nk := uint64(n) * uint64(c.TopK)
 	eb, dim, I, S := uint64(b.eb), uint64(c.Dim), uint64(c.ExpertDim), uint64(c.SharedExpertDim)
 	stride := uint64(b.moeStride())
+	_, metaBytes := moeLayout(0, int(nk), c.Experts)
 	for _, e := range []struct {
 		d  *dbuf
 		sz uint64
 	}{
 		{&m.logits, uint64(n) * stride * 4}, {&m.xe, nk * dim * eb}, {&m.gu, nk * 2 * I * eb}, {&m.h, nk * I * eb},
-		{&m.ye, nk * dim * 4}, {&m.meta, nk * 12}, {&m.sgu, uint64(n) * 2 * S * eb}, {&m.sh, uint64(n) * S * eb},
+		{&m.ye, nk * dim * 4}, {&m.meta, metaBytes}, {&m.sgu, uint64(n) * 2 * S * eb}, {&m.sh, uint64(n) * S * eb},
 		{&m.sy, uint64(n) * dim * 4},
 	} {
 		if err := b.ensure(e.d, e.sz); err != nil {
 			return fmt.Errorf("cuda backend: MoE scratch: %w", err)
 		}
 	}
-	if err := b.ensureHost(&m.hostLogits, uint64(n)*stride*4); err != nil {
+	if err := b.ensureHost(&m.hostOffs, uint64(c.Experts+1)*4); err != nil {
 		return err
 	}
-	return b.ensureHost(&m.stage, nk*12)
+	m.n = n
+	return nil
+}
+
+// bytes is the device memory m holds.
+func (m *moeBufs) bytes() uint64 {
+	var t uint64
+	for _, d := range []*dbuf{&m.logits, &m.xe, &m.gu, &m.h, &m.ye, &m.meta, &m.sgu, &m.sh, &m.sy} {
+		t += d.n
+	}
+	return t
 }
 
 // combineThreads is moe_combine's block for rows of dim.
 func combineThreads(dim int) uint32 { return uint32(min(1024, max(32, (dim+31)/32*32))) }
 
+// moeGroupedRows is the most routed rows per expert, on average, for which
+// an eager pass runs the grouped GEMMs (one tile of rows each); above it,
+// each expert's rows run as one GEMM (cuBLAS), after a copy of the
+// expert offsets to the host.
+const moeGroupedRows = 32
+
+// moeGroupedFor says whether an eager pass of n tokens runs the grouped
+// GEMMs (a captured pass always does).
+func (b *Backend) moeGroupedFor(n int) bool {
+	c := &b.cfg
+	return b.moeCapturable() && (b.opts.BatchInvariant || n*c.TopK <= moeGroupedRows*c.Experts)
+}
+
 // moeMLP enqueues a mixture-of-experts block: RMSNorm, the router GEMM
-// (and the shared expert), then, on the host, each token's top k of the
-// softmax and the pairs sorted by expert (a copy of the router logits and
-// a synchronisation: this block cannot be captured), then the gather, each
-// chosen expert's GEMMs over its rows (the other experts' weights are not
-// read), SiLU, and the weighted sum added to the residual stream.
+// (and the shared expert), the routing on the device (moe_topk: each
+// token's top k of the softmax; moe_sort: the pairs sorted by expert),
+// then the chosen experts' GEMMs over their rows (the other experts'
+// weights are not read) and the weighted sum added to the residual
+// stream. The grouped form (lp.grouped) reads the routing on the device
+// and can be captured; the other copies the expert offsets to the host
+// (a synchronisation) and runs one GEMM per expert.
 func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	c := &b.cfg
-	r, d := lp.r, lp.d
-	m := &b.moe
+	r, d, m := lp.r, lp.d, lp.moe
 	mw := w.moe
 	n, dim, E, K, I, S := lp.p.n, c.Dim, c.Experts, c.TopK, c.ExpertDim, c.SharedExpertDim
 	nk := n * K
-	eb := cu.DevicePtr(b.eb)
 	stride := b.moeStride()
 	null := cu.DevicePtr(0)
 	r.launch(b.fn.rmsnorm, cu.D1(uint32(n)), cu.D1(rmsThreads(dim)), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
@@ -297,144 +363,59 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 		r.gemm(m.sy.p, true, m.sh.p, mw.sw2, n, dim, S, 0)
 		sh, gate = m.sy.p, m.logits.p+cu.DevicePtr(E*4)
 	}
+	norm := int32(0)
+	if c.NormTopKProb || c.Spec.MLP.NormTopK == model.NormTopKAlways {
+		norm = 1
+	}
+	mm, _ := moeLayout(m.meta.p, nk, E)
+	r.launch(b.bk.moeTopK, cu.D1(uint32(ceilDiv(n, 8))), cu.D1(256), 0, mm.ids, mm.wts, m.logits.p, int32(n), int32(stride),
+		int32(E), int32(K), norm)
+	r.launch(b.bk.moeSort, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids,
+		int32(nk), int32(K), int32(E))
+	if lp.grouped {
+		slots := uint32(min(E, nk))
+		r.launch(b.bk.moeSiLU, cu.Dim3{X: uint32(ceilDiv(I, 64)), Y: 1, Z: slots}, cu.D1(skThreads), 0, m.h.p, d.xb, mw.w13, mm.src,
+			mm.act, mm.nact, mm.offs, int32(I), int32(dim))
+		r.launch(b.bk.moeDown, cu.Dim3{X: uint32(ceilDiv(dim, skRows)), Y: 1, Z: slots}, cu.D1(skThreads), 0, m.ye.p, m.h.p,
+			mw.w2, mm.act, mm.nact, mm.offs, int32(dim), int32(I))
+	} else {
+		b.moeExperts(lp, w, mm)
+	}
+	r.launch(b.bk.moeCombine, cu.D1(uint32(n)), cu.D1(combineThreads(dim)), 0, d.x, m.ye.p, mm.rows, mm.wts, sh, gate,
+		int32(stride), int32(K), int32(dim))
+}
+
+// moeExperts runs each chosen expert's GEMMs over its sorted rows, the
+// offsets copied to the host first.
+func (b *Backend) moeExperts(lp *layerPass, w *devLayer, mm moeMeta) {
+	c := &b.cfg
+	r, d, m := lp.r, lp.d, lp.moe
+	mw := w.moe
+	n, dim, E, K, I := lp.p.n, c.Dim, c.Experts, c.TopK, c.ExpertDim
+	nk := n * K
+	eb := cu.DevicePtr(b.eb)
 	if r.err != nil {
 		return
 	}
-	if r.err = r.s.MemcpyDtoH(m.hostLogits.Ptr(), m.logits.p, uint64(n*stride*4)); r.err != nil {
+	if r.err = r.s.MemcpyDtoH(m.hostOffs.Ptr(), mm.offs, uint64(E+1)*4); r.err != nil {
 		return
 	}
 	if r.err = r.s.Synchronize(); r.err != nil {
 		return
 	}
-	logits := unsafe.Slice((*float32)(m.hostLogits.Ptr()), n*stride)
-	img := unsafe.Slice((*int32)(m.stage.Ptr()), 3*nk)
-	counts := m.rt.route(logits, n, stride, E, K, c.NormTopKProb || c.Spec.MLP.NormTopK == model.NormTopKAlways, img)
-	if r.err = r.s.MemcpyHtoD(m.meta.p, m.stage.Ptr(), uint64(3*nk*4)); r.err != nil {
-		return
-	}
-	src := m.meta.p
-	rows := src + cu.DevicePtr(nk*4)
-	wts := rows + cu.DevicePtr(nk*4)
-	r.launch(b.bk.moeGather, cu.D1(uint32(nk)), cu.D1(combineThreads(dim)), 0, m.xe.p, d.xb, src, int32(dim))
-	off := 0
-	for e, cnt := range counts {
-		if cnt > 0 {
+	offs := unsafe.Slice((*int32)(m.hostOffs.Ptr()), E+1)
+	r.launch(b.bk.moeGather, cu.D1(uint32(nk)), cu.D1(combineThreads(dim)), 0, m.xe.p, d.xb, mm.src, int32(dim))
+	for e := range E {
+		if off, cnt := int(offs[e]), int(offs[e+1]-offs[e]); cnt > 0 {
 			r.gemm(m.gu.p+cu.DevicePtr(off*2*I)*eb, false, m.xe.p+cu.DevicePtr(off*dim)*eb,
 				mw.w13+cu.DevicePtr(e*2*I*dim)*eb, cnt, 2*I, dim, 0)
-			off += cnt
 		}
 	}
 	r.launch(b.fn.siluMul, cu.Dim3{X: uint32(nk), Y: siluBlocks(I), Z: 1}, cu.D1(siluThreads), 0, m.h.p, m.gu.p, int32(I))
-	off = 0
-	for e, cnt := range counts {
-		if cnt > 0 {
+	for e := range E {
+		if off, cnt := int(offs[e]), int(offs[e+1]-offs[e]); cnt > 0 {
 			r.gemm(m.ye.p+cu.DevicePtr(off*dim*4), true, m.h.p+cu.DevicePtr(off*I)*eb,
 				mw.w2+cu.DevicePtr(e*dim*I)*eb, cnt, dim, I, 0)
-			off += cnt
 		}
 	}
-	r.launch(b.bk.moeCombine, cu.D1(uint32(n)), cu.D1(combineThreads(dim)), 0, d.x, m.ye.p, rows, wts, sh, gate,
-		int32(stride), int32(K), int32(dim))
-}
-
-// router is the host side of MoE routing, its buffers reused across layers.
-type router struct {
-	counts, next []int
-	ids          []int32
-	w            []float32
-}
-
-// route picks, for each of n tokens, the top k of the softmax over the
-// first e of its stride logits (the lowest expert id on ties; renormalised
-// to sum to 1 when norm is set, as the CPU backend does) and sorts the
-// (token, rank) pairs by expert, in token order within an expert. It writes
-// img: [n*k] the source token of each sorted row, [n*k] the sorted row of
-// pair t*k+j, [n*k] the pair's weight (f32 bits); and returns the rows of
-// each expert.
-func (rt *router) route(logits []float32, n, stride, e, k int, norm bool, img []int32) []int {
-	nk := n * k
-	if cap(rt.counts) < e {
-		rt.counts, rt.next = make([]int, e), make([]int, e)
-	}
-	counts, next := rt.counts[:e], rt.next[:e]
-	if cap(rt.ids) < nk {
-		rt.ids = make([]int32, nk)
-	}
-	ids := rt.ids[:nk]
-	src, rows, wts := img[:nk], img[nk:2*nk], img[2*nk:3*nk]
-	clear(counts)
-	for t := 0; t < n; t++ {
-		topK(logits[t*stride:t*stride+e], ids[t*k:(t+1)*k])
-		for j := 0; j < k; j++ {
-			counts[ids[t*k+j]]++
-		}
-	}
-	off := 0
-	for x := range counts {
-		next[x] = off
-		off += counts[x]
-	}
-	for p, id := range ids {
-		row := next[id]
-		next[id]++
-		rows[p] = int32(row)
-		src[row] = int32(p / k)
-	}
-	for t := 0; t < n; t++ {
-		rt.w = topWeights(logits[t*stride:t*stride+e], ids[t*k:(t+1)*k], norm, rt.w[:0])
-		for j, v := range rt.w {
-			wts[t*k+j] = int32(math.Float32bits(v))
-		}
-	}
-	return counts
-}
-
-// topK writes into ids the len(ids) largest of l in order (the lowest
-// index on ties).
-func topK(l []float32, ids []int32) {
-	for j := range ids {
-		best := -1
-		for i, v := range l {
-			if (best < 0 || v > l[best]) && !takenID(ids[:j], int32(i)) {
-				best = i
-			}
-		}
-		ids[j] = int32(best)
-	}
-}
-
-// topWeights appends to w the softmax probabilities of ids over l,
-// renormalised over ids when norm is set (as the CPU backend computes them:
-// the exponentials in float64, each probability rounded to float32).
-func topWeights(l []float32, ids []int32, norm bool, w []float32) []float32 {
-	mx := l[0]
-	for _, v := range l {
-		mx = max(mx, v)
-	}
-	var sum float64
-	for _, v := range l {
-		sum += math.Exp(float64(v - mx))
-	}
-	for _, id := range ids {
-		w = append(w, float32(math.Exp(float64(l[id]-mx))/sum))
-	}
-	if norm {
-		var s float32
-		for _, v := range w {
-			s += v
-		}
-		for j := range w {
-			w[j] /= s
-		}
-	}
-	return w
-}
-
-func takenID(ids []int32, i int32) bool {
-	for _, id := range ids {
-		if id == i {
-			return true
-		}
-	}
-	return false
 }

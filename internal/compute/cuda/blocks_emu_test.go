@@ -202,34 +202,51 @@ func TestBlockKernelsEmulated(t *testing.T) {
 	}
 }
 
-// TestRoute checks the host routing against its definition: each token's
-// k highest logits of the first e (ties to the lower id), the softmax
-// probabilities over all e (renormalised or not), and the pairs sorted by
-// expert, in token order within an expert.
-func TestRoute(t *testing.T) {
+// TestRouteEmulated runs moe_topk and moe_sort on the host against their
+// definition: each token's k highest logits of the first e (ties to the
+// lower id), the softmax probabilities over all e (renormalised or not),
+// the pairs sorted by expert in pair order within an expert, each expert's
+// offsets and the list of experts with rows.
+func TestRouteEmulated(t *testing.T) {
+	bin := blocksEmu(t, 64, true)
 	r := rand.New(rand.NewPCG(3, 4))
-	var rt router
 	for _, tc := range []struct {
 		n, e, k, stride int
 		norm            bool
-	}{{1, 8, 2, 8, true}, {7, 16, 4, 17, true}, {33, 8, 2, 9, false}, {5, 128, 8, 128, true}, {4, 4, 4, 4, false}} {
+	}{{1, 8, 2, 8, true}, {7, 16, 4, 17, true}, {33, 8, 2, 9, false}, {5, 128, 8, 128, true}, {4, 4, 4, 4, false},
+		{300, 128, 8, 129, true}, {3, 512, 8, 512, false}, {64, 60, 4, 61, true}} {
 		logits := randF32(r, tc.n*tc.stride, 1)
 		if tc.n > 4 {
-			// ties
-			logits[tc.stride+1] = logits[tc.stride+2]
+			// ties at the top: across lanes (1, 2) and within one (1, 33)
+			logits[tc.stride+1], logits[tc.stride+2] = 5, 5
+			if tc.e > 33 {
+				logits[tc.stride+33] = 5
+			}
 		}
 		nk := tc.n * tc.k
-		img := make([]int32, 3*nk)
-		counts := rt.route(logits, tc.n, tc.stride, tc.e, tc.k, tc.norm, img)
-		src, rows, wts := img[:nk], img[nk:2*nk], img[2*nk:]
-		total := 0
-		starts := make([]int, tc.e)
-		for x, c := range counts {
-			starts[x] = total
-			total += c
+		norm := int32(0)
+		if tc.norm {
+			norm = 1
 		}
-		if total != nk {
-			t.Fatalf("%+v: counts sum to %d, want %d", tc, total, nk)
+		var in bytes.Buffer
+		put(t, &in, int32(4), int32(tc.n), int32(tc.stride), int32(tc.e), int32(tc.k), norm, logits)
+		out := emuCall[int32](t, bin, &in, 4*nk+2*tc.e+2)
+		ids, wts, rows, src := out[:nk], out[nk:2*nk], out[2*nk:3*nk], out[3*nk:4*nk]
+		offs, act, nact := out[4*nk:4*nk+tc.e+1], out[4*nk+tc.e+1:4*nk+2*tc.e+1], int(out[4*nk+2*tc.e+1])
+		var wantAct []int32
+		for x := 0; x < tc.e; x++ {
+			if offs[x+1] < offs[x] {
+				t.Fatalf("%+v: offsets fall at expert %d", tc, x)
+			}
+			if offs[x+1] > offs[x] {
+				wantAct = append(wantAct, int32(x))
+			}
+		}
+		if offs[0] != 0 || int(offs[tc.e]) != nk {
+			t.Fatalf("%+v: offsets span [%d, %d), want [0, %d)", tc, offs[0], offs[tc.e], nk)
+		}
+		if nact != len(wantAct) || fmt.Sprint(act[:nact]) != fmt.Sprint(wantAct) {
+			t.Fatalf("%+v: active experts %v, want %v", tc, act[:min(nact, tc.e)], wantAct)
 		}
 		seen := make([]bool, nk)
 		for tk := 0; tk < tc.n; tk++ {
@@ -259,13 +276,16 @@ func TestRoute(t *testing.T) {
 			}
 			for j := 0; j < tc.k; j++ {
 				p := tk*tc.k + j
+				id := order[j]
+				if int(ids[p]) != id {
+					t.Fatalf("%+v: token %d rank %d: expert %d, want %d", tc, tk, j, ids[p], id)
+				}
 				row := int(rows[p])
-				if seen[row] {
-					t.Fatalf("%+v: row %d used twice", tc, row)
+				if row < 0 || row >= nk || seen[row] {
+					t.Fatalf("%+v: row %d out of range or used twice", tc, row)
 				}
 				seen[row] = true
-				id := order[j]
-				if row < starts[id] || row >= starts[id]+counts[id] {
+				if row < int(offs[id]) || row >= int(offs[id+1]) {
 					t.Fatalf("%+v: token %d rank %d (expert %d) in row %d, outside the expert's rows", tc, tk, j, id, row)
 				}
 				if int(src[row]) != tk {
@@ -280,11 +300,11 @@ func TestRoute(t *testing.T) {
 				}
 			}
 		}
-		// Token order within each expert.
-		for x := range counts {
-			for q := starts[x] + 1; q < starts[x]+counts[x]; q++ {
-				if src[q] < src[q-1] {
-					t.Fatalf("%+v: expert %d's rows out of token order", tc, x)
+		// Pair order within each expert.
+		for p := 1; p < nk; p++ {
+			for q := 0; q < p; q++ {
+				if ids[q] == ids[p] && rows[q] > rows[p] {
+					t.Fatalf("%+v: pairs %d and %d of expert %d out of order", tc, q, p, ids[p])
 				}
 			}
 		}

@@ -158,6 +158,8 @@ func (b *Backend) check(seqs []compute.Seq, out [][]float32, needOut bool) (n, m
 // passBufs are the device buffers a pass reads and writes.
 type passBufs struct {
 	x, xb, qkv, q, att, gu, h, part, lx, logits, meta cu.DevicePtr
+	moe                                               *moeBufs
+	arena                                             bool // the decode graphs' (captured: no host step)
 }
 
 // eagerBufs grows the eager scratch to what p needs (the stream is idle).
@@ -177,7 +179,7 @@ func (b *Backend) eagerBufs(p *passPlan) (*passBufs, error) {
 		}
 	}
 	return &passBufs{x: s.x.p, xb: s.xb.p, qkv: s.qkv.p, q: s.q.p, att: s.att.p, gu: s.gu.p, h: s.h.p,
-		part: s.part.p, lx: s.lx.p, logits: s.logits.p, meta: s.meta.p}, nil
+		part: s.part.p, lx: s.lx.p, logits: s.logits.p, meta: s.meta.p, moe: &b.moe}, nil
 }
 
 func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool, job *sampleJob) error {
@@ -201,7 +203,7 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 	if err != nil {
 		return err
 	}
-	if err := b.ensureMoE(p.n); err != nil {
+	if err := b.ensureMoE(&b.moe, p.n); err != nil {
 		return err
 	}
 	var sb *sampleBufs
@@ -395,7 +397,8 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		xsmem: uint32(n * dim * 2), vt: rmsVT(dim), scaleLog2: float32(1 / math.Sqrt(float64(hd)) * math.Log2E),
 		div:        float32(math.Sqrt(float64(hd))),
 		layerBytes: cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes())),
-		partML:     d.part + cu.DevicePtr(uint64(p.qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4)}
+		partML:     d.part + cu.DevicePtr(uint64(p.qchunk)*uint64(c.Heads)*uint64(p.nsplit)*uint64(hd)*4),
+		moe:        d.moe, grouped: d.arena || b.moeGroupedFor(n)}
 	if c.Spec.Attention.Rope == model.RopeInterleaved {
 		lp.interleaved = 1
 	}

@@ -212,3 +212,76 @@ func TestStepTimes(t *testing.T) {
 		t.Errorf("after reset: %+v", st)
 	}
 }
+
+// TestGraphMoE: MoE models' decode steps run captured (the routing and the
+// grouped expert GEMMs on the device): replay equals eager passes of the
+// same padded shape bit for bit and stays near packed eager passes; a long
+// prompt in one pass (one GEMM per expert after the host reads the
+// offsets) matches the same prompt in chunks small enough for the grouped
+// GEMMs.
+func TestGraphMoE(t *testing.T) {
+	for _, name := range []string{"tiny-qwen3-moe", "tiny-qwen2-moe"} {
+		t.Run(name, func(t *testing.T) {
+			m, err := model.NewRandom(name, 17)
+			if err != nil {
+				t.Fatal(err)
+			}
+			V := m.Config.Vocab
+			r := newRand(23)
+			o := Options{DType: "bfloat16", PageSize: 16, Pages: 160, tune: tuning{split: 16}}
+			gb := newOrSkip(t, m, o)
+			if !gb.moeCapturable() || gb.graphs == nil {
+				t.Fatalf("%s: no grouped expert GEMMs or no graphs (v2 build error: %v)", name, gb.fn.v2Err)
+			}
+			padded := newOrSkip(t, m, o)
+			padded.setGraphMode(graphsPadded)
+			off := newOrSkip(t, m, o)
+			off.setGraphMode(graphsOff)
+			base := 0
+			for _, n := range []int{1, 3, 8} {
+				prompts := make([][]int32, n)
+				for i := range prompts {
+					prompts[i] = randPrompt(r, 11+7*i, V)
+				}
+				res := lockstep(t, []*Backend{gb, padded, off}, prompts, base, 8, 6)
+				base += n
+				if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
+					t.Errorf("batch %d: graph vs padded eager: max abs diff %g, %d greedy tokens differ", n, d, am)
+				}
+				d, rel, am := compareSteps(res[0], res[2])
+				t.Logf("batch %d: graph vs packed eager: max abs diff %.3g, rel %.3g, %d greedy tokens differ", n, d, rel, am)
+				if !(rel <= 3e-2) {
+					t.Errorf("batch %d: graph vs packed eager: relative error %g > 3e-2", n, rel)
+				}
+			}
+			if st := gb.GraphStats(); st.Captures < 3 || st.Replays < 9 {
+				t.Errorf("graphs barely used: %+v", st)
+			}
+			// 400 tokens: above the grouped bound for both shapes in one
+			// pass, under it in chunks of 25.
+			c := &m.Config
+			long := randPrompt(r, 400, V)
+			if !gb.moeGroupedFor(25) || gb.moeGroupedFor(len(long)) {
+				t.Fatalf("grouped bound: 25 tokens %v, %d tokens %v (experts %d, top %d)", gb.moeGroupedFor(25), len(long),
+					gb.moeGroupedFor(len(long)), c.Experts, c.TopK)
+			}
+			pages := pagesFor(0, 26) // the decode seqs are done with them
+			whole := [][]float32{make([]float32, V)}
+			if err := off.Forward(context.Background(), []compute.Seq{{Tokens: long, Pages: pages, Logits: true}}, whole); err != nil {
+				t.Fatal(err)
+			}
+			chunked := [][]float32{make([]float32, V)}
+			for p := 0; p < len(long); p += 25 {
+				seq := compute.Seq{Tokens: long[p : p+25], Pos: p, Pages: pages, Logits: p+25 == len(long)}
+				if err := off.Forward(context.Background(), []compute.Seq{seq}, chunked); err != nil {
+					t.Fatal(err)
+				}
+			}
+			rel := relErr(whole[0], chunked[0])
+			t.Logf("400-token prompt, one pass vs chunks of 25: rel %.3g, argmax %d vs %d", rel, argmax(whole[0]), argmax(chunked[0]))
+			if !(rel <= 3e-2) {
+				t.Errorf("one pass vs chunks: relative error %g > 3e-2", rel)
+			}
+		})
+	}
+}

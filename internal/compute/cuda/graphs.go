@@ -65,6 +65,7 @@ type graphSet struct {
 	buckets   []int
 	maxSplits int
 	bufs      passBufs
+	moe       moeBufs // for MoE models: sized for the largest bucket
 	sizes     scratchSizes
 	slots     map[int][]*graphSlot // by batch bucket
 	failed    map[graphKey]bool
@@ -96,6 +97,11 @@ func (b *Backend) newGraphs(maxBS int) (*graphSet, error) {
 		if *e.p, err = b.alloc(e.n); err != nil {
 			return nil, fmt.Errorf("cuda backend: decode graph buffers (%.1f MiB): %w", float64(z.total())/(1<<20), err)
 		}
+	}
+	g.bufs.moe, g.bufs.arena = &g.moe, true
+	if err := b.ensureMoE(&g.moe, g.buckets[len(g.buckets)-1]); err != nil {
+		g.moe.free(b)
+		return nil, err
 	}
 	return g, nil
 }

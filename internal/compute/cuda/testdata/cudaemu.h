@@ -87,6 +87,8 @@ template <class T> inline T emu_bits(T v, int lane) {
 	return r;
 }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_bits(v, (threadIdx.x & 31) ^ o); }
+template <class T> inline T __shfl_sync(unsigned, T v, int lane) { return emu_bits(v, lane); }
+__attribute__((noinline)) inline void __syncwarp() { emu_yield(EMU_WARP); }
 inline unsigned __ballot_sync(unsigned, int p) {
 	emu_slot[threadIdx.x] = p != 0;
 	emu_yield(EMU_WARP);

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# moe13.sh: one device call (nvidia-h200) for the MoE on-device routing and
+# grouped expert GEMMs (issue 13) and the nvlink/tcp PD check (issue 12),
+# each step bounded and skipped once LIMIT seconds are spent:
+#   tests   internal/compute/cuda: TestGraphMoE (MoE decode captured, replay
+#           == padded eager, one pass == chunks), TestConformance,
+#           TestGolden, TestGraphEqualsEager, TestFusedDecode, TestKernelsV2
+#   extra   EXTRA_TESTS="dir bin regexp" (another bundled test binary)
+#   graph   TestBenchGraph8B at qwen3-30b-a3b (decode steps, graphs)
+#   prefill TestBench8B at qwen3-30b-a3b (prefill TFLOP/s, eager decode)
+#   pd      scripts/gpu/pd-tcp.sh, 8B shape, tcp and nvlink pairs (TTFT)
+#   rdma    serve --disaggregation-transfer-backend rdma with the real
+#           libibverbs and no HCA: the start-up error
+# Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
+# Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
+set -u
+O=${OUT:-/tmp/moe13}
+mkdir -p "$O"
+root=$PWD
+LIMIT=${LIMIT:-540}
+w=$(mktemp -d)
+trap 'rm -rf "$w"' EXIT
+export XDG_CACHE_HOME=$w/cache MOONCAKE_SHARED=$root/gpu-bundle/shared
+log() { echo "[+${SECONDS}s] $*" | tee -a "$O/run.log"; }
+left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { log "SKIP $2: $((LIMIT - SECONDS)) s left"; return 1; }; }
+for f in gpu-bundle/bin/*.xz; do
+	b=$(basename "$f" .xz)
+	xz -dc "$f" >"$w/$b" && chmod +x "$w/$b"
+done
+want() { case " ${STAGES:-tests extra graph prefill pd rdma} " in *" $1 "*) return 0 ;; esac; return 1; }
+t() { # name dir bin timeout run
+	(cd "$root/$2" && timeout "$4" "$w/$3" -test.v -test.run "$5") >"$O/$1.log" 2>&1
+	log "$1 rc $?: $(grep -cE '^\s*--- PASS' "$O/$1.log") pass, $(grep -cE '^\s*--- FAIL' "$O/$1.log") fail, $(grep -cE '^\s*--- SKIP' "$O/$1.log") skip"
+	grep -hE '^\s*--- (FAIL|SKIP)|_test.go:[0-9]+: .*(rel|skip|FAIL|mismatch|differ|graphs|rejected|error)' "$O/$1.log" | head -14 | cut -c1-220 | tee -a "$O/run.log"
+}
+if want tests; then
+	t cuda internal/compute/cuda internal.compute.cuda.test 200 'TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestKernelsV2'
+	grep -h "second-generation kernels rejected" "$O/cuda.log" | head -3 | cut -c1-600 | tee -a "$O/run.log"
+fi
+if want rdma && [ -x "$w/mooncake-go" ]; then
+	timeout 20 "$w/mooncake-go" serve --log-level error --disaggregation-transfer-backend rdma >"$O/rdma.log" 2>&1
+	log "serve rdma without an HCA rc $?: $(tail -3 "$O/rdma.log" | cut -c1-400)"
+	ls /dev/infiniband /sys/class/infiniband 2>&1 | head -3 | tee -a "$O/run.log"
+fi
+if want extra && [ -n "${EXTRA_TESTS:-}" ]; then
+	set -- $EXTRA_TESTS
+	t extra "$1" "$2" 60 "$3"
+fi
+if want graph && left 150 graph; then
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=new \
+		BENCH_OUT=$O/graph-moe.txt timeout 150 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-moe.log" 2>&1
+	log "graph qwen3-30b-a3b rc $?"
+	grep -hE "loaded|FAIL|panic|captured" "$O/graph-moe.log" | head -4 | cut -c1-300 | tee -a "$O/run.log"
+	cat "$O/graph-moe.txt" 2>/dev/null | tee -a "$O/run.log"
+fi
+if want pd && left 150 pd; then
+	OUT=$O/pd-8b BACKENDS="tcp nvlink" LENS="100 1000" timeout 150 bash scripts/gpu/pd-tcp.sh >"$O/pd-8b.log" 2>&1
+	log "pd-tcp 8B rc $?"
+	grep -E "equal colocated|^ttft|FAIL" "$O/pd-8b.log" | tee -a "$O/run.log"
+fi
+if want prefill && left 100 prefill; then
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=v2 \
+		BENCH_OUT=$O/bench-moe.txt timeout 100 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBench8B$') >"$O/bench-moe.log" 2>&1
+	log "prefill qwen3-30b-a3b rc $?"
+	grep -hE "loaded|HBM|prefill|decode batch|FAIL|panic" "$O/bench-moe.log" | cut -c1-260 | tee -a "$O/run.log"
+fi
+(cd "$O" && find . -mindepth 1 -maxdepth 1 ! -name run.log >"$w/list" && tar cJf "$w/logs.tar.xz" --remove-files -T "$w/list" && mv "$w/logs.tar.xz" .)
+log done
