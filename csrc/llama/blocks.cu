@@ -72,7 +72,7 @@ extern "C" __global__ void moe_gather(T *xe, const T *xb, const int *src, int di
 // moe_combine: x[t] += sum over j < k, in order, of w[t*k+j] *
 // ye[row[t*k+j]] (the chosen experts' outputs, fp32 rows of dim), plus
 // sigmoid(gate[t*gstride]) * sh[t] when sh is set (the shared expert).
-// Grid n tokens, any block.
+// Grid (n tokens, any: the row's slices), any block.
 extern "C" __global__ void moe_combine(float *x, const float *ye, const int *row, const float *w, const float *sh,
 	const float *gate, int gstride, int k, int dim) {
 	int t = blockIdx.x;
@@ -80,7 +80,7 @@ extern "C" __global__ void moe_combine(float *x, const float *ye, const int *row
 	if (sh) g = 1.0f / (1.0f + expf(-gate[(long long)t * gstride]));
 	const int *rt = row + (long long)t * k;
 	const float *wt = w + (long long)t * k;
-	for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+	for (int i = blockIdx.y * blockDim.x + threadIdx.x; i < dim; i += blockDim.x * gridDim.y) {
 		float o = 0.f;
 		for (int j = 0; j < k; j++) o += wt[j] * ye[(long long)rt[j] * dim + i];
 		if (sh) o += g * sh[(long long)t * dim + i];
@@ -88,19 +88,20 @@ extern "C" __global__ void moe_combine(float *x, const float *ye, const int *row
 	}
 }
 
-// moe_topk: for token t (one warp each; block any multiple of 32 threads),
-// the top k of the softmax over the first E (<= 32*TOPK_PER) of its stride
-// router logits, as the CPU backend picks them: experts by logit, the
-// lowest id on ties; the probabilities exp(l-max)/sum in double, rounded to
-// float, renormalised in float (in rank order) when norm is set. Writes
-// ids[t*k+j] and w[t*k+j], j in rank order.
+// topk_token: token t's routing by one warp: the top k of the softmax
+// over the first E (<= 32*TOPK_PER) of its stride router logits, as the
+// CPU backend picks them: experts by logit, the lowest id on ties; the
+// probabilities exp(l-max)/sum in double, rounded to float, renormalised
+// in float (in rank order) when norm is set. Writes ids[t*k+j] and
+// w[t*k+j], j in rank order.
 #define TOPK_PER 16
 #define MOE_NEG_INF __int_as_float(0xff800000)
-extern "C" __global__ void moe_topk(int *ids, float *w, const float *logits, int n, int stride, int E, int k, int norm) {
-	int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-	if (t >= n) return;
+__device__ __forceinline__ void topk_token(int t, int *ids, float *w, const float *logits, int stride, int E, int k,
+	int norm) {
+	int lane = threadIdx.x & 31;
 	const float *l = logits + (long long)t * stride;
 	float v[TOPK_PER];
+	double ex[TOPK_PER];
 	float mx = MOE_NEG_INF;
 #pragma unroll
 	for (int i = 0; i < TOPK_PER; i++) {
@@ -111,32 +112,38 @@ extern "C" __global__ void moe_topk(int *ids, float *w, const float *logits, int
 	for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
 	double s = 0.0;
 #pragma unroll
-	for (int i = 0; i < TOPK_PER; i++)
-		if (lane + 32 * i < E) s += exp((double)(v[i] - mx));
+	for (int i = 0; i < TOPK_PER; i++) {
+		ex[i] = lane + 32 * i < E ? exp((double)(v[i] - mx)) : 0.0;
+		s += ex[i];
+	}
 	for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
 	unsigned taken = 0;
 	float sum = 0.f;
 	for (int j = 0; j < k; j++) {
 		float bv = MOE_NEG_INF;
 		int bi = 0x7fffffff;
+		double be = 0.0;
 #pragma unroll
 		for (int i = 0; i < TOPK_PER; i++) {
 			int e = lane + 32 * i;
 			if (e < E && !(taken >> i & 1u) && (bi == 0x7fffffff || v[i] > bv)) {
 				bv = v[i];
 				bi = e;
+				be = ex[i];
 			}
 		}
 		for (int o = 16; o > 0; o >>= 1) {
 			float ov = __shfl_xor_sync(0xffffffffu, bv, o);
 			int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+			double oe = __shfl_xor_sync(0xffffffffu, be, o);
 			if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
 				bv = ov;
 				bi = oi;
+				be = oe;
 			}
 		}
 		if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-		float p = (float)(exp((double)(bv - mx)) / s);
+		float p = (float)(be / s);
 		sum += p;
 		if (lane == 0) {
 			ids[(long long)t * k + j] = bi;
@@ -147,42 +154,70 @@ extern "C" __global__ void moe_topk(int *ids, float *w, const float *logits, int
 		for (int j = 0; j < k; j++) w[(long long)t * k + j] /= sum;
 }
 
+// moe_topk: topk_token for n tokens, a warp each (any multiple of 32
+// threads).
+extern "C" __global__ void moe_topk(int *ids, float *w, const float *logits, int n, int stride, int E, int k, int norm) {
+	int t = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+	if (t < n) topk_token(t, ids, w, logits, stride, E, k, norm);
+}
+
 // moe_sort: the nk (token, rank) pairs of moe_topk sorted by expert,
 // stably (pair order within an expert): rows[p] is pair p's sorted row,
 // src[row] its token (p / k), offs[e] .. offs[e+1] expert e's rows
 // (E+1 entries), act[0 .. *nact) the experts with rows, in id order. One
-// block of MOE_SORT_WARPS warps, E <= MOE_MAXE: each warp counts a
-// contiguous range of the pairs, the ranges' bases come from an exclusive
-// scan, then each warp places its pairs 32 at a time (a pair's rank among
+// block of MOE_SORT_WARPS*32 threads, E <= MOE_MAXE (one thread per
+// expert), nk < 2^21: each warp counts a contiguous range of the pairs;
+// per expert, the ranges' bases inside the expert; one exclusive scan over
+// the experts of (rows << 10 | has rows) gives the offsets and the active
+// list; then each warp places its pairs 32 at a time (a pair's rank among
 // the equal ids before it in its group from shuffles). Deterministic: no
 // result depends on timing.
 #define MOE_SORT_WARPS 16
-#define MOE_MAXE 512
-extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *rows, int *src, int *offs, int *act,
-	int *nact, const int *ids, int nk, int k, int E) {
+#define MOE_MAXE (MOE_SORT_WARPS * 32)
+__device__ __forceinline__ void sort_pairs(int *rows, int *src, int *offs, int *act, int *nact, const int *ids, int nk,
+	int k, int E) {
 	__shared__ int hist[MOE_SORT_WARPS][MOE_MAXE];
+	__shared__ int wsum[MOE_SORT_WARPS];
 	int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-	for (int i = tid; i < MOE_SORT_WARPS * MOE_MAXE; i += blockDim.x) hist[i / MOE_MAXE][i % MOE_MAXE] = 0;
+	for (int w = 0; w < MOE_SORT_WARPS; w++)
+		if (tid < E) hist[w][tid] = 0;
 	__syncthreads();
 	int per = (nk + MOE_SORT_WARPS - 1) / MOE_SORT_WARPS;
 	int p0 = warp * per, p1 = min(nk, p0 + per);
 	for (int p = p0 + lane; p < p1; p += 32) atomicAdd(&hist[warp][ids[p]], 1);
 	__syncthreads();
-	if (tid == 0) {
-		int off = 0, na = 0;
-		for (int e = 0; e < E; e++) {
-			offs[e] = off;
-			int c = off;
-			for (int w = 0; w < MOE_SORT_WARPS; w++) {
-				int h = hist[w][e];
-				hist[w][e] = c;
-				c += h;
-			}
-			if (c > off) act[na++] = e;
-			off = c;
+	int e = tid, tot = 0;
+	if (e < E)
+		for (int w = 0; w < MOE_SORT_WARPS; w++) {
+			int h = hist[w][e];
+			hist[w][e] = tot;
+			tot += h;
 		}
-		offs[E] = off;
-		*nact = na;
+	int v = e < E ? (tot << 10) | (tot > 0) : 0, inc = v;
+	for (int d = 1; d < 32; d <<= 1) {
+		int o = __shfl_up_sync(0xffffffffu, inc, d);
+		if (lane >= d) inc += o;
+	}
+	if (lane == 31) wsum[warp] = inc;
+	__syncthreads();
+	if (warp == 0) {
+		int x = lane < MOE_SORT_WARPS ? wsum[lane] : 0, y = x;
+		for (int d = 1; d < 32; d <<= 1) {
+			int o = __shfl_up_sync(0xffffffffu, y, d);
+			if (lane >= d) y += o;
+		}
+		if (lane < MOE_SORT_WARPS) wsum[lane] = y - x;
+	}
+	__syncthreads();
+	int ex = inc - v + wsum[warp];
+	if (e < E) {
+		offs[e] = ex >> 10;
+		if (tot > 0) act[ex & 1023] = e;
+		for (int w = 0; w < MOE_SORT_WARPS; w++) hist[w][e] += ex >> 10;
+	}
+	if (e == E - 1) {
+		offs[E] = (ex + v) >> 10;
+		*nact = (ex + v) & 1023;
 	}
 	__syncthreads();
 	for (int g = p0; g < p1; g += 32) {
@@ -201,4 +236,18 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *
 			src[row] = p / k;
 		}
 	}
+}
+extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *rows, int *src, int *offs, int *act,
+	int *nact, const int *ids, int nk, int k, int E) {
+	sort_pairs(rows, src, offs, act, nact, ids, nk, k, E);
+}
+
+// moe_route: moe_topk then moe_sort in one block of MOE_SORT_WARPS warps
+// (warp w routes tokens w, w+MOE_SORT_WARPS, ...): one launch for the few
+// tokens of a decode step. Same arguments and results as the two.
+extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int *rows, int *src, int *offs, int *act,
+	int *nact, int *ids, float *w, const float *logits, int n, int stride, int E, int k, int norm) {
+	for (int t = threadIdx.x >> 5; t < n; t += MOE_SORT_WARPS) topk_token(t, ids, w, logits, stride, E, k, norm);
+	__syncthreads();
+	sort_pairs(rows, src, offs, act, nact, ids, n * k, k, E);
 }

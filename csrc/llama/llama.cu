@@ -1120,7 +1120,7 @@ struct sk_args {
 
 // gemm_sk: the skinny GEMM of up to SK_NT*8 token rows. G: a tile of one
 // expert's sorted rows (moe_sk), X row i being X[src[r0+i]] (or X[r0+i])
-// and output row i the sorted row r0+i; no split-K (gridDim.y == 1).
+// and output row i the sorted row r0+i.
 template <int MODE, bool G = false>
 __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 	__shared__ __align__(16) bf16_t xs[2][SK_NT * 8][SK_XS];
@@ -1321,17 +1321,21 @@ extern "C" __global__ void __launch_bounds__(256) gemm_sk_silu(bf16_t *h, const 
 	gemm_sk<SK_SILU>(a);
 }
 // moe_sk: the grouped skinny GEMM of a mixture-of-experts block. Block
-// (x, 0, s) takes the s-th expert with rows (e = act[s], s < *nact; the
+// (x, y, s) takes the s-th expert with rows (e = act[s], s < *nact; the
 // others return), its weights W + e*wstride and its sorted rows offs[e] ..
-// offs[e+1], in tiles of SK_NT*8 rows: moe_sort's output, read on the
-// device, so the launch does not depend on the routing and can be
-// captured.
+// offs[e+1], in tiles of SK_NT*8 rows; k split gridDim.y ways (cps chunks
+// each), the splits' partials in part and cnt from slot s's share (split
+// only when no expert has more than one tile: at most SK_NT*8 tokens).
+// moe_sort's output is read on the device, so the launch does not depend
+// on the routing and can be captured.
 template <int MODE>
 __device__ __forceinline__ void moe_sk(sk_args a, const int *act, const int *nact, const int *offs, long long wstride) {
 	int s = blockIdx.z;
 	if (s >= *nact) return;
 	int e = act[s], r0 = offs[e], rows = offs[e + 1] - r0;
 	a.W += (long long)e * wstride;
+	a.part += (long long)s * gridDim.x * gridDim.y * SK_ROWS * 32;
+	a.cnt += (long long)s * gridDim.x;
 	for (int t0 = 0; t0 < rows; t0 += SK_NT * 8) {
 		a.r0 = r0 + t0;
 		a.n = min(SK_NT * 8, rows - t0);
@@ -1341,19 +1345,19 @@ __device__ __forceinline__ void moe_sk(sk_args a, const int *act, const int *nac
 }
 // moe_sk_silu: h[row] (T, [rows][hidden]) = silu(x . Wg^T) * (x . Wu^T),
 // x = X[src[row]], for each expert's W = [gate; up] ([E][2*hidden][in]).
-// Grid (ceil(hidden/64), 1, slots).
+// Grid (ceil(hidden/64), splits, slots).
 extern "C" __global__ void __launch_bounds__(256) moe_sk_silu(bf16_t *h, const bf16_t *X, const bf16_t *W,
-	const int *src, const int *act, const int *nact, const int *offs, int hidden, int in) {
+	const int *src, const int *act, const int *nact, const int *offs, int hidden, int in, int cps, float *part, int *cnt) {
 	sk_args a = {};
-	a.W = W, a.X = X, a.h = h, a.src = src, a.out = hidden, a.in = in, a.cps = (in + SK_KC - 1) / SK_KC;
+	a.W = W, a.X = X, a.h = h, a.src = src, a.out = hidden, a.in = in, a.cps = cps, a.part = part, a.cnt = cnt;
 	moe_sk<SK_SILU>(a, act, nact, offs, 2LL * hidden * in);
 }
 // moe_sk_down: Y[row] (f32, [rows][out]) = X[row] . W^T for each expert's
-// W ([E][out][in]). Grid (ceil(out/128), 1, slots).
+// W ([E][out][in]). Grid (ceil(out/128), splits, slots).
 extern "C" __global__ void __launch_bounds__(256) moe_sk_down(float *Y, const bf16_t *X, const bf16_t *W,
-	const int *act, const int *nact, const int *offs, int out, int in) {
+	const int *act, const int *nact, const int *offs, int out, int in, int cps, float *part, int *cnt) {
 	sk_args a = {};
-	a.W = W, a.X = X, a.Y = Y, a.out = out, a.in = in, a.cps = (in + SK_KC - 1) / SK_KC;
+	a.W = W, a.X = X, a.Y = Y, a.out = out, a.in = in, a.cps = cps, a.part = part, a.cnt = cnt;
 	moe_sk<SK_PLAIN>(a, act, nact, offs, (long long)out * in);
 }
 

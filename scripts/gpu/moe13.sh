@@ -11,6 +11,9 @@
 #   pd      scripts/gpu/pd-tcp.sh, 8B shape, tcp and nvlink pairs (TTFT)
 #   rdma    serve --disaggregation-transfer-backend rdma with the real
 #           libibverbs and no HCA: the start-up error
+#   profile ncu over TestProfile8B at qwen3-30b-a3b: kernel time by kernel
+#           of one eager decode step at batch 1 and at batch 32
+# TESTS overrides the tests stage's -test.run pattern.
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
 set -u
@@ -27,14 +30,14 @@ for f in gpu-bundle/bin/*.xz; do
 	b=$(basename "$f" .xz)
 	xz -dc "$f" >"$w/$b" && chmod +x "$w/$b"
 done
-want() { case " ${STAGES:-tests extra graph prefill pd rdma} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${STAGES:-tests extra profile graph prefill pd rdma} " in *" $1 "*) return 0 ;; esac; return 1; }
 t() { # name dir bin timeout run
 	(cd "$root/$2" && timeout "$4" "$w/$3" -test.v -test.run "$5") >"$O/$1.log" 2>&1
 	log "$1 rc $?: $(grep -cE '^\s*--- PASS' "$O/$1.log") pass, $(grep -cE '^\s*--- FAIL' "$O/$1.log") fail, $(grep -cE '^\s*--- SKIP' "$O/$1.log") skip"
 	grep -hE '^\s*--- (FAIL|SKIP)|_test.go:[0-9]+: .*(rel|skip|FAIL|mismatch|differ|graphs|rejected|error)' "$O/$1.log" | head -14 | cut -c1-220 | tee -a "$O/run.log"
 }
 if want tests; then
-	t cuda internal/compute/cuda internal.compute.cuda.test 200 'TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestKernelsV2'
+	t cuda internal/compute/cuda internal.compute.cuda.test 200 "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestKernelsV2}"
 	grep -h "second-generation kernels rejected" "$O/cuda.log" | head -3 | cut -c1-600 | tee -a "$O/run.log"
 fi
 if want rdma && [ -x "$w/mooncake-go" ]; then
@@ -45,6 +48,36 @@ fi
 if want extra && [ -n "${EXTRA_TESTS:-}" ]; then
 	set -- $EXTRA_TESTS
 	t extra "$1" "$2" 60 "$3"
+fi
+if want profile && left 120 profile; then
+	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=0 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b timeout 120 \
+		$NCU --clock-control none --metrics gpu__time_duration.sum,launch__grid_size -f -o "$w/prof" "$w/internal.compute.cuda.test" -test.run 'TestProfile8B$') >"$O/ncu.log" 2>&1
+	log "ncu rc $? $(tail -1 "$O/ncu.log" | cut -c1-200)"
+	$NCU -i "$w/prof.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum,launch__grid_size >"$w/prof.csv" 2>>"$O/ncu.log"
+	python3 - "$w/prof.csv" <<'PY' | tee -a "$O/run.log"
+import csv, collections, sys
+rows = list(csv.reader(open(sys.argv[1])))
+h = rows[0]
+ki = h.index('Kernel Name'); ti = [i for i, x in enumerate(h) if x.startswith('gpu__time_duration')][0]
+gi = [i for i, x in enumerate(h) if x.startswith('launch__grid_size')][0]
+sc = {'ms': 1.0, 'msecond': 1.0, 'us': 1e-3, 'usecond': 1e-3, 'ns': 1e-6, 'nsecond': 1e-6}.get(rows[1][ti], 1.0)
+phase, names = -1, ['load', 'decode_b1', 'decode_b32']
+acc = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+for r in rows[1:]:
+    try: t = float(r[ti])
+    except ValueError: continue
+    k = r[ki].split('(')[0][:48] + ' grid ' + r[gi]
+    if k.startswith('read_bw'): phase += 1; continue
+    acc[names[phase + 1] if phase + 1 < len(names) else 'other'][k][0] += 1
+    acc[names[phase + 1] if phase + 1 < len(names) else 'other'][k][1] += t
+for ph, ks in acc.items():
+    if ph == 'load': continue
+    tot = sum(v[1] for v in ks.values())
+    print(f'== {ph}: {tot*sc:.3f} ms of kernel time, {sum(v[0] for v in ks.values())} kernels')
+    for k, v in sorted(ks.items(), key=lambda x: -x[1][1])[:22]:
+        print(f'  {v[1]*sc:8.3f} ms {100*v[1]/tot:5.1f}% {v[0]:5d}x {1000*v[1]*sc/v[0]:7.2f} us/launch {k}')
+PY
 fi
 if want graph && left 150 graph; then
 	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=new \

@@ -226,7 +226,9 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if err = b.loadKernels(); err != nil {
 		return nil, err
 	}
-	b.loadGrouped()
+	if err = b.loadGrouped(); err != nil {
+		return nil, err
+	}
 	b.loadSampler()
 	if err = b.uploadWeights(m); err != nil {
 		return nil, err

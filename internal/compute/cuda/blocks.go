@@ -43,7 +43,11 @@ func Supports(c model.Config) error {
 type blockKernels struct {
 	mod                                             *cu.Module
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
-	moeSiLU, moeDown                                *cu.Function
+	moeRoute, moeSiLU, moeDown                      *cu.Function
+	// the grouped GEMMs' split-K: resident blocks of the GPU, and the
+	// partials and counters of passes of at most skMaxN tokens
+	moeCap          int
+	moePart, moeCnt cu.DevicePtr
 }
 
 // needsBlocks says whether c's layers use the blocks kernel set.
@@ -69,7 +73,7 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		dst  **cu.Function
 		name string
 	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
-		{&bk.moeSort, "moe_sort"}} {
+		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
 		}
@@ -82,20 +86,71 @@ const (
 	moeTopKMax     = 32 * 16 // TOPK_PER
 	moeMaxExperts  = 512     // MOE_MAXE
 	moeSortThreads = 16 * 32 // MOE_SORT_WARPS
+	// moeRouteMax is the most tokens routed by one moe_route launch (its
+	// 16 warps route them one after another) instead of moe_topk's grid.
+	moeRouteMax = 64
 )
 
 // loadGrouped finds the grouped expert GEMMs in the llama set (bf16 with
-// the second-generation kernels) when the expert shapes suit them.
-func (b *Backend) loadGrouped() {
+// the second-generation kernels) when the expert shapes suit them, and
+// allocates their split-K workspace.
+func (b *Backend) loadGrouped() error {
 	c := &b.cfg
+	bk := &b.bk
 	if !c.Spec.MLP.MoE || !b.bf16 || c.Dim%8 != 0 || c.ExpertDim%8 != 0 {
-		return
+		return nil
 	}
 	silu, err1 := b.mod.Function("moe_sk_silu")
 	down, err2 := b.mod.Function("moe_sk_down")
-	if err1 == nil && err2 == nil {
-		b.bk.moeSiLU, b.bk.moeDown = silu, down
+	if err1 != nil || err2 != nil {
+		return nil
 	}
+	bk.moeSiLU, bk.moeDown = silu, down
+	sms, err := b.cx.MultiprocessorCount()
+	if err != nil || sms <= 0 || b.opts.BatchInvariant {
+		return nil // no split: every token's sums in one order
+	}
+	smemPerSM, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerSM)
+	regs, _ := silu.Attribute(cu.FuncAttrNumRegs)
+	static, _ := silu.Attribute(cu.FuncAttrSharedSizeBytes)
+	bk.moeCap = sms * residentBlocks(skThreads, regs, static, smemPerSM)
+	var part uint64
+	maxCnt := 0
+	for n := 1; n <= skMaxN; n++ {
+		for _, k := range b.moeShapes(n) {
+			if k.splits > 1 {
+				part = max(part, uint64(k.slots*k.rb*k.splits)*skRows*32*4)
+			}
+			maxCnt = max(maxCnt, k.slots*k.rb)
+		}
+	}
+	if bk.moePart, err = b.alloc(part); err != nil {
+		return fmt.Errorf("cuda backend: grouped expert GEMM workspace: %w", err)
+	}
+	if bk.moeCnt, err = b.alloc(uint64(maxCnt) * 4); err != nil {
+		return fmt.Errorf("cuda backend: grouped expert GEMM counters: %w", err)
+	}
+	return b.cx.MemsetD8(bk.moeCnt, 0, uint64(maxCnt)*4)
+}
+
+// moeShape is one grouped expert GEMM's launch: expert slots, row blocks,
+// k splits and chunks per split.
+type moeShape struct{ slots, rb, splits, cps int }
+
+// moeShapes are the launches of moe_sk_silu and moe_sk_down for a pass of
+// n tokens: k split to fill the GPU only for passes of at most skMaxN
+// tokens (one row tile per expert) when the workspace exists.
+func (b *Backend) moeShapes(n int) [2]moeShape {
+	c := &b.cfg
+	slots := min(c.Experts, n*c.TopK)
+	sh := [2]moeShape{{slots: slots, rb: ceilDiv(c.ExpertDim, 64)}, {slots: slots, rb: ceilDiv(c.Dim, skRows)}}
+	for i, in := range [2]int{c.Dim, c.ExpertDim} {
+		sh[i].splits, sh[i].cps = 1, ceilDiv(in, skChunk)
+		if b.bk.moeCap > 0 && n <= skMaxN {
+			sh[i].splits, sh[i].cps = skSplit(b.bk.moeCap, slots*sh[i].rb, in)
+		}
+	}
+	return sh
 }
 
 // moeCapturable says whether the MoE blocks run without the host (the
@@ -290,6 +345,9 @@ func (b *Backend) ensureMoE(m *moeBufs, n int) error {
 	if !c.Spec.MLP.MoE || n <= m.n {
 		return nil
 	}
+	if n*c.TopK >= 1<<21 {
+		return fmt.Errorf("cuda backend: a MoE pass of %d tokens routes %d pairs (moe_sort takes fewer than 2^21)", n, n*c.TopK)
+	}
 	nk := uint64(n) * uint64(c.TopK)
 	eb, dim, I, S := uint64(b.eb), uint64(c.Dim), uint64(c.ExpertDim), uint64(c.SharedExpertDim)
 	stride := uint64(b.moeStride())
@@ -340,7 +398,8 @@ func (b *Backend) moeGroupedFor(n int) bool {
 
 // moeMLP enqueues a mixture-of-experts block: RMSNorm, the router GEMM
 // (and the shared expert), the routing on the device (moe_topk: each
-// token's top k of the softmax; moe_sort: the pairs sorted by expert),
+// token's top k of the softmax; moe_sort: the pairs sorted by expert; one
+// moe_route launch for both at decode sizes),
 // then the chosen experts' GEMMs over their rows (the other experts'
 // weights are not read) and the weighted sum added to the residual
 // stream. The grouped form (lp.grouped) reads the routing on the device
@@ -368,20 +427,27 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 		norm = 1
 	}
 	mm, _ := moeLayout(m.meta.p, nk, E)
-	r.launch(b.bk.moeTopK, cu.D1(uint32(ceilDiv(n, 8))), cu.D1(256), 0, mm.ids, mm.wts, m.logits.p, int32(n), int32(stride),
-		int32(E), int32(K), norm)
-	r.launch(b.bk.moeSort, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids,
-		int32(nk), int32(K), int32(E))
+	if n <= moeRouteMax {
+		r.launch(b.bk.moeRoute, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids, mm.wts,
+			m.logits.p, int32(n), int32(stride), int32(E), int32(K), norm)
+	} else {
+		r.launch(b.bk.moeTopK, cu.D1(uint32(ceilDiv(n, 8))), cu.D1(256), 0, mm.ids, mm.wts, m.logits.p, int32(n), int32(stride),
+			int32(E), int32(K), norm)
+		r.launch(b.bk.moeSort, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids,
+			int32(nk), int32(K), int32(E))
+	}
 	if lp.grouped {
-		slots := uint32(min(E, nk))
-		r.launch(b.bk.moeSiLU, cu.Dim3{X: uint32(ceilDiv(I, 64)), Y: 1, Z: slots}, cu.D1(skThreads), 0, m.h.p, d.xb, mw.w13, mm.src,
-			mm.act, mm.nact, mm.offs, int32(I), int32(dim))
-		r.launch(b.bk.moeDown, cu.Dim3{X: uint32(ceilDiv(dim, skRows)), Y: 1, Z: slots}, cu.D1(skThreads), 0, m.ye.p, m.h.p,
-			mw.w2, mm.act, mm.nact, mm.offs, int32(dim), int32(I))
+		bk := &b.bk
+		sh := b.moeShapes(n)
+		grid := func(k moeShape) cu.Dim3 { return cu.Dim3{X: uint32(k.rb), Y: uint32(k.splits), Z: uint32(k.slots)} }
+		r.launch(bk.moeSiLU, grid(sh[0]), cu.D1(skThreads), 0, m.h.p, d.xb, mw.w13, mm.src, mm.act, mm.nact, mm.offs,
+			int32(I), int32(dim), int32(sh[0].cps), bk.moePart, bk.moeCnt)
+		r.launch(bk.moeDown, grid(sh[1]), cu.D1(skThreads), 0, m.ye.p, m.h.p, mw.w2, mm.act, mm.nact, mm.offs, int32(dim),
+			int32(I), int32(sh[1].cps), bk.moePart, bk.moeCnt)
 	} else {
 		b.moeExperts(lp, w, mm)
 	}
-	r.launch(b.bk.moeCombine, cu.D1(uint32(n)), cu.D1(combineThreads(dim)), 0, d.x, m.ye.p, mm.rows, mm.wts, sh, gate,
+	r.launch(b.bk.moeCombine, cu.Dim3{X: uint32(n), Y: uint32(ceilDiv(dim, 256)), Z: 1}, cu.D1(256), 0, d.x, m.ye.p, mm.rows, mm.wts, sh, gate,
 		int32(stride), int32(K), int32(dim))
 }
 

@@ -228,84 +228,97 @@ func TestRouteEmulated(t *testing.T) {
 		if tc.norm {
 			norm = 1
 		}
-		var in bytes.Buffer
-		put(t, &in, int32(4), int32(tc.n), int32(tc.stride), int32(tc.e), int32(tc.k), norm, logits)
-		out := emuCall[int32](t, bin, &in, 4*nk+2*tc.e+2)
-		ids, wts, rows, src := out[:nk], out[nk:2*nk], out[2*nk:3*nk], out[3*nk:4*nk]
-		offs, act, nact := out[4*nk:4*nk+tc.e+1], out[4*nk+tc.e+1:4*nk+2*tc.e+1], int(out[4*nk+2*tc.e+1])
-		var wantAct []int32
-		for x := 0; x < tc.e; x++ {
-			if offs[x+1] < offs[x] {
-				t.Fatalf("%+v: offsets fall at expert %d", tc, x)
+		for fused := range int32(2) {
+			name := fmt.Sprintf("%+v moe_topk+moe_sort", tc)
+			if fused == 1 {
+				name = fmt.Sprintf("%+v moe_route", tc)
 			}
-			if offs[x+1] > offs[x] {
-				wantAct = append(wantAct, int32(x))
-			}
+			var in bytes.Buffer
+			put(t, &in, int32(4), int32(tc.n), int32(tc.stride), int32(tc.e), int32(tc.k), norm, fused, logits)
+			checkRoute(t, name, emuCall[int32](t, bin, &in, 4*nk+2*tc.e+2), logits, tc.n, tc.e, tc.k, tc.stride, tc.norm)
 		}
-		if offs[0] != 0 || int(offs[tc.e]) != nk {
-			t.Fatalf("%+v: offsets span [%d, %d), want [0, %d)", tc, offs[0], offs[tc.e], nk)
+	}
+}
+
+// checkRoute checks one routing result (out: ids, weights, rows, src,
+// offs, act, nact) against the definition.
+func checkRoute(t *testing.T, tc string, out []int32, logits []float32, n, e, k, stride int, norm bool) {
+	t.Helper()
+	nk := n * k
+	ids, wts, rows, src := out[:nk], out[nk:2*nk], out[2*nk:3*nk], out[3*nk:4*nk]
+	offs, act, nact := out[4*nk:4*nk+e+1], out[4*nk+e+1:4*nk+2*e+1], int(out[4*nk+2*e+1])
+	var wantAct []int32
+	for x := 0; x < e; x++ {
+		if offs[x+1] < offs[x] {
+			t.Fatalf("%s: offsets fall at expert %d", tc, x)
 		}
-		if nact != len(wantAct) || fmt.Sprint(act[:nact]) != fmt.Sprint(wantAct) {
-			t.Fatalf("%+v: active experts %v, want %v", tc, act[:min(nact, tc.e)], wantAct)
+		if offs[x+1] > offs[x] {
+			wantAct = append(wantAct, int32(x))
 		}
-		seen := make([]bool, nk)
-		for tk := 0; tk < tc.n; tk++ {
-			l := logits[tk*tc.stride : tk*tc.stride+tc.e]
-			order := make([]int, tc.e)
-			for i := range order {
-				order[i] = i
-			}
-			// stable selection: larger first, lower id on ties
-			for i := 0; i < tc.k; i++ {
-				for j := i + 1; j < tc.e; j++ {
-					if l[order[j]] > l[order[i]] || (l[order[j]] == l[order[i]] && order[j] < order[i]) {
-						order[i], order[j] = order[j], order[i]
-					}
-				}
-			}
-			mx := math.Inf(-1)
-			for _, v := range l {
-				mx = math.Max(mx, float64(v))
-			}
-			sum, sel := 0.0, 0.0
-			for _, v := range l {
-				sum += math.Exp(float64(v) - mx)
-			}
-			for j := 0; j < tc.k; j++ {
-				sel += math.Exp(float64(l[order[j]])-mx) / sum
-			}
-			for j := 0; j < tc.k; j++ {
-				p := tk*tc.k + j
-				id := order[j]
-				if int(ids[p]) != id {
-					t.Fatalf("%+v: token %d rank %d: expert %d, want %d", tc, tk, j, ids[p], id)
-				}
-				row := int(rows[p])
-				if row < 0 || row >= nk || seen[row] {
-					t.Fatalf("%+v: row %d out of range or used twice", tc, row)
-				}
-				seen[row] = true
-				if row < int(offs[id]) || row >= int(offs[id+1]) {
-					t.Fatalf("%+v: token %d rank %d (expert %d) in row %d, outside the expert's rows", tc, tk, j, id, row)
-				}
-				if int(src[row]) != tk {
-					t.Fatalf("%+v: row %d's source token %d, want %d", tc, row, src[row], tk)
-				}
-				want := math.Exp(float64(l[id])-mx) / sum
-				if tc.norm {
-					want /= sel
-				}
-				if g := float64(math.Float32frombits(uint32(wts[p]))); math.Abs(g-want) > 1e-6 {
-					t.Fatalf("%+v: token %d rank %d weight %v, want %v", tc, tk, j, g, want)
+	}
+	if offs[0] != 0 || int(offs[e]) != nk {
+		t.Fatalf("%s: offsets span [%d, %d), want [0, %d)", tc, offs[0], offs[e], nk)
+	}
+	if nact != len(wantAct) || fmt.Sprint(act[:nact]) != fmt.Sprint(wantAct) {
+		t.Fatalf("%s: active experts %v, want %v", tc, act[:min(nact, e)], wantAct)
+	}
+	seen := make([]bool, nk)
+	for tk := 0; tk < n; tk++ {
+		l := logits[tk*stride : tk*stride+e]
+		order := make([]int, e)
+		for i := range order {
+			order[i] = i
+		}
+		// stable selection: larger first, lower id on ties
+		for i := 0; i < k; i++ {
+			for j := i + 1; j < e; j++ {
+				if l[order[j]] > l[order[i]] || (l[order[j]] == l[order[i]] && order[j] < order[i]) {
+					order[i], order[j] = order[j], order[i]
 				}
 			}
 		}
-		// Pair order within each expert.
-		for p := 1; p < nk; p++ {
-			for q := 0; q < p; q++ {
-				if ids[q] == ids[p] && rows[q] > rows[p] {
-					t.Fatalf("%+v: pairs %d and %d of expert %d out of order", tc, q, p, ids[p])
-				}
+		mx := math.Inf(-1)
+		for _, v := range l {
+			mx = math.Max(mx, float64(v))
+		}
+		sum, sel := 0.0, 0.0
+		for _, v := range l {
+			sum += math.Exp(float64(v) - mx)
+		}
+		for j := 0; j < k; j++ {
+			sel += math.Exp(float64(l[order[j]])-mx) / sum
+		}
+		for j := 0; j < k; j++ {
+			p := tk*k + j
+			id := order[j]
+			if int(ids[p]) != id {
+				t.Fatalf("%s: token %d rank %d: expert %d, want %d", tc, tk, j, ids[p], id)
+			}
+			row := int(rows[p])
+			if row < 0 || row >= nk || seen[row] {
+				t.Fatalf("%s: row %d out of range or used twice", tc, row)
+			}
+			seen[row] = true
+			if row < int(offs[id]) || row >= int(offs[id+1]) {
+				t.Fatalf("%s: token %d rank %d (expert %d) in row %d, outside the expert's rows", tc, tk, j, id, row)
+			}
+			if int(src[row]) != tk {
+				t.Fatalf("%s: row %d's source token %d, want %d", tc, row, src[row], tk)
+			}
+			want := math.Exp(float64(l[id])-mx) / sum
+			if norm {
+				want /= sel
+			}
+			if g := float64(math.Float32frombits(uint32(wts[p]))); math.Abs(g-want) > 1e-6 {
+				t.Fatalf("%s: token %d rank %d weight %v, want %v", tc, tk, j, g, want)
+			}
+		}
+	}
+	// Pair order within each expert.
+	for p := 1; p < nk; p++ {
+		for q := 0; q < p; q++ {
+			if ids[q] == ids[p] && rows[q] > rows[p] {
+				t.Fatalf("%s: pairs %d and %d of expert %d out of order", tc, q, p, ids[p])
 			}
 		}
 	}

@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -190,13 +191,15 @@ func TestHFvsTorch(t *testing.T) {
 }
 
 // TestProfile8B runs, for ncu, one decode step at batch 1 and one at batch
-// 32 (ctx 1K, random KV) and one 4K prefill, each phase ended by an empty
-// read_bw launch as a marker. MOONCAKE_PROFILE=1.
+// 32 (ctx 1K, random KV) and one 4K prefill (not with
+// MOONCAKE_PROFILE_PREFILL=0), each phase ended by an empty read_bw launch
+// as a marker. MOONCAKE_PROFILE=1; MOONCAKE_BENCH_SHAPE picks the shape
+// (default llama3-8b).
 func TestProfile8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_PROFILE") == "" {
 		t.Skip("set MOONCAKE_PROFILE=1")
 	}
-	cfg, err := model.RandomConfig("llama3-8b")
+	cfg, err := model.RandomConfig(cmp.Or(os.Getenv("MOONCAKE_BENCH_SHAPE"), "llama3-8b"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -228,6 +231,9 @@ func TestProfile8B(t *testing.T) {
 			t.Fatal(err)
 		}
 		marker()
+	}
+	if os.Getenv("MOONCAKE_PROFILE_PREFILL") == "0" {
+		return
 	}
 	seq := []compute.Seq{{Tokens: randPrompt(r, 4096, V), Pos: 0, Pages: pagesFor(batch, pagesPer), Logits: true}}
 	if err := b.Forward(ctx, seq, out[:1]); err != nil {

@@ -9,8 +9,8 @@
 //   gather:  rows, tokens, dim, src [rows], xb T [tokens][dim]; out xe T [rows][dim].
 //   combine: n, k, dim, has shared, gstride, x f32 [n][dim], ye f32 [n*k][dim],
 //            row [n*k], w f32 [n*k], sh f32 [n][dim], gate f32 [n][gstride]; out x.
-//   route:   n, stride, E, k, norm, logits f32 [n][stride]; moe_topk then
-//            moe_sort; out ids [n*k], w f32 [n*k], rows [n*k], src [n*k],
+//   route:   n, stride, E, k, norm, fused, logits f32 [n][stride]; moe_topk
+//            then moe_sort, or moe_route when fused; out ids [n*k], w f32 [n*k], rows [n*k], src [n*k],
 //            offs [E+1], act [E], nact.
 #include "cudaemu.h"
 #include BLOCKS_CU
@@ -75,15 +75,20 @@ int main(int argc, char **argv) {
 				   (const float *)(hs ? gate.data() : nullptr), gs, k, dim);
 			wrv(x, (size_t)n * dim);
 		} else if (op == 4) {
-			int n = rd(), stride = rd(), E = rd(), k = rd(), norm = rd();
+			int n = rd(), stride = rd(), E = rd(), k = rd(), norm = rd(), fused = rd();
 			size_t nk = (size_t)n * k;
 			std::vector<float> logits, w(nk + 1);
 			std::vector<int> ids(nk + 1), rows(nk + 1), src(nk + 1), offs(E + 2), act(E + 1), nact(1);
 			rdv(logits, (size_t)n * stride);
-			emu_launch(moe_topk, {(unsigned)(n + 7) / 8, 1, 1}, 256, ids.data(), w.data(), (const float *)logits.data(), n,
-				   stride, E, k, norm);
-			emu_launch(moe_sort, {1, 1, 1}, MOE_SORT_WARPS * 32, rows.data(), src.data(), offs.data(), act.data(),
-				   nact.data(), (const int *)ids.data(), (int)nk, k, E);
+			if (fused)
+				emu_launch(moe_route, {1, 1, 1}, MOE_SORT_WARPS * 32, rows.data(), src.data(), offs.data(), act.data(),
+					   nact.data(), ids.data(), w.data(), (const float *)logits.data(), n, stride, E, k, norm);
+			else {
+				emu_launch(moe_topk, {(unsigned)(n + 7) / 8, 1, 1}, 256, ids.data(), w.data(), (const float *)logits.data(),
+					   n, stride, E, k, norm);
+				emu_launch(moe_sort, {1, 1, 1}, MOE_SORT_WARPS * 32, rows.data(), src.data(), offs.data(), act.data(),
+					   nact.data(), (const int *)ids.data(), (int)nk, k, E);
+			}
 			wrv(ids, nk);
 			wrv(w, nk);
 			wrv(rows, nk);

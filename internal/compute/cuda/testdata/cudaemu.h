@@ -88,6 +88,10 @@ template <class T> inline T emu_bits(T v, int lane) {
 }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu_bits(v, (threadIdx.x & 31) ^ o); }
 template <class T> inline T __shfl_sync(unsigned, T v, int lane) { return emu_bits(v, lane); }
+template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+	unsigned l = threadIdx.x & 31;
+	return emu_bits(v, l >= d ? l - d : l);
+}
 __attribute__((noinline)) inline void __syncwarp() { emu_yield(EMU_WARP); }
 inline unsigned __ballot_sync(unsigned, int p) {
 	emu_slot[threadIdx.x] = p != 0;
