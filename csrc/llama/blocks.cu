@@ -15,6 +15,37 @@ typedef bf16_t T;
 typedef float T;
 #endif
 
+__device__ __forceinline__ float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ bf16_t f2bf(float f) {
+	u32 u = __float_as_uint(f);
+	if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40u);
+	u += 0x7fffu + ((u >> 16) & 1u);
+	return (bf16_t)(u >> 16);
+}
+// rt rounds to T (a no-op for float); ld8 reads 8 consecutive T (16 bytes
+// of bf16 or 32 of float, aligned) as floats.
+__device__ __forceinline__ float rt(float v) {
+#if USE_BF16
+	return bf2f(f2bf(v));
+#else
+	return v;
+#endif
+}
+__device__ __forceinline__ void ld8(const T *p, float *o) {
+#if USE_BF16
+	uint4 a = *(const uint4 *)p;
+	u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		o[2 * i] = __uint_as_float(w[i] << 16);
+		o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+	}
+#else
+	float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+	o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+#endif
+}
+
 // qk_norm: for token t (grid x) and head h (grid y) of a row of qkv (fp32:
 // nheads q heads, nkv k heads, nkv v heads of HEAD_DIM each), adds the
 // bias when there is one and, for q and k heads, applies RMSNorm over the
@@ -250,4 +281,104 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 	for (int t = threadIdx.x >> 5; t < n; t += MOE_SORT_WARPS) topk_token(t, ids, w, logits, stride, E, k, norm);
 	__syncthreads();
 	sort_pairs(rows, src, offs, act, nact, ids, n * k, k, E);
+}
+
+// moe_gemv: the grouped GEMVs of experts with few rows each (decode), for
+// any T: block (x, s) takes the s-th expert with rows (e = act[s], s <
+// *nact, as moe_sk), each of its 8 warps one unit of outputs, the weight
+// rows read once per GEMV_T of the expert's rows (16-byte loads, 4 chunks
+// in flight per row and lane). Each lane sums its chunks in order, then the
+// warp's lanes by a fixed tree: a row's result depends on nothing else in
+// the pass. in % 8 == 0.
+//   SILU  unit o < hidden: rows o and hidden+o of W ([E][2*hidden][in]);
+//         h[r][o] = silu(g) * u (g, u rounded to T first), x = X[src[r]]
+//   DOWN  unit o < out: row o of W ([E][out][in]); Y[r][o] (f32) = X[r] . W[o]
+#define GEMV_T 4
+template <bool SILU>
+__device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
+	const int *nact, const int *offs, int units, int in) {
+	int s = blockIdx.y;
+	if (s >= *nact) return;
+	int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+	if (o >= units) return;
+	int e = act[s], r0 = offs[e], rows = offs[e + 1] - r0;
+	const int nrow = SILU ? 2 : 1;
+	const T *w0 = W + ((long long)e * nrow * units + o) * in;
+	const T *w1 = w0 + (long long)units * in;
+	for (int t0 = 0; t0 < rows; t0 += GEMV_T) {
+		int nt = min(GEMV_T, rows - t0);
+		const T *xr[GEMV_T];
+#pragma unroll
+		for (int j = 0; j < GEMV_T; j++) {
+			int r = r0 + t0 + min(j, nt - 1);
+			xr[j] = X + (long long)(src ? src[r] : r) * in;
+		}
+		float acc[2][GEMV_T];
+#pragma unroll
+		for (int j = 0; j < GEMV_T; j++) acc[0][j] = acc[1][j] = 0.f;
+		for (int base = 0; base < in; base += 4 * 256) {
+			float wv[2][4][8];
+#pragma unroll
+			for (int u = 0; u < 4; u++) {
+				int c = base + u * 256 + lane * 8;
+#pragma unroll
+				for (int q = 0; q < nrow; q++) {
+					if (c < in) {
+						ld8((q ? w1 : w0) + c, wv[q][u]);
+					} else {
+#pragma unroll
+						for (int i = 0; i < 8; i++) wv[q][u][i] = 0.f;
+					}
+				}
+			}
+#pragma unroll
+			for (int u = 0; u < 4; u++) {
+				int c = base + u * 256 + lane * 8;
+				if (c >= in) break;
+#pragma unroll
+				for (int j = 0; j < GEMV_T; j++) {
+					if (j < nt) {
+						float xv[8];
+						ld8(xr[j] + c, xv);
+#pragma unroll
+						for (int q = 0; q < nrow; q++)
+#pragma unroll
+							for (int i = 0; i < 8; i++) acc[q][j] = fmaf(wv[q][u][i], xv[i], acc[q][j]);
+					}
+				}
+			}
+		}
+#pragma unroll
+		for (int j = 0; j < GEMV_T; j++)
+#pragma unroll
+			for (int q = 0; q < nrow; q++)
+				for (int d = 16; d > 0; d >>= 1) acc[q][j] += __shfl_xor_sync(0xffffffffu, acc[q][j], d);
+		if (lane == 0) {
+#pragma unroll
+			for (int j = 0; j < GEMV_T; j++) {
+				if (j >= nt) break;
+				long long r = r0 + t0 + j;
+				if (SILU) {
+					float g = rt(acc[0][j]), u = rt(acc[1][j]);
+#if USE_BF16
+					h[r * units + o] = f2bf(g * (1.0f / (1.0f + expf(-g))) * u);
+#else
+					h[r * units + o] = g * (1.0f / (1.0f + expf(-g))) * u;
+#endif
+				} else {
+					Y[r * units + o] = acc[0][j];
+				}
+			}
+		}
+	}
+}
+// moe_gemv_silu: grid (ceil(hidden/8), slots), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu(T *h, const T *X, const T *W, const int *src,
+	const int *act, const int *nact, const int *offs, int hidden, int in) {
+	moe_gemv<true>(0, h, X, W, src, act, nact, offs, hidden, in);
+}
+// moe_gemv_down: grid (ceil(out/8), slots), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_down(float *Y, const T *X, const T *W, const int *act,
+	const int *nact, const int *offs, int out, int in) {
+	moe_gemv<false>(Y, 0, X, W, 0, act, nact, offs, out, in);
 }

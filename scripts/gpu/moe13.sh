@@ -6,7 +6,8 @@
 #           == padded eager, one pass == chunks), TestConformance,
 #           TestGolden, TestGraphEqualsEager, TestFusedDecode, TestKernelsV2
 #   extra   EXTRA_TESTS="dir bin regexp" (another bundled test binary)
-#   graph   TestBenchGraph8B at qwen3-30b-a3b (decode steps, graphs)
+#   graph   TestBenchGraph8B at qwen3-30b-a3b (decode steps, graphs; VARIANTS
+#           picks its kernel variants, default new)
 #   prefill TestBench8B at qwen3-30b-a3b (prefill TFLOP/s, eager decode)
 #   pd      scripts/gpu/pd-tcp.sh, 8B shape, tcp and nvlink pairs (TTFT)
 #   rdma    serve --disaggregation-transfer-backend rdma with the real
@@ -80,8 +81,8 @@ for ph, ks in acc.items():
 PY
 fi
 if want graph && left 150 graph; then
-	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=new \
-		BENCH_OUT=$O/graph-moe.txt timeout 150 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-moe.log" 2>&1
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=${VARIANTS:-new} \
+		BENCH_OUT=$O/graph-moe.txt timeout 220 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-moe.log" 2>&1
 	log "graph qwen3-30b-a3b rc $?"
 	grep -hE "loaded|FAIL|panic|captured" "$O/graph-moe.log" | head -4 | cut -c1-300 | tee -a "$O/run.log"
 	cat "$O/graph-moe.txt" 2>/dev/null | tee -a "$O/run.log"

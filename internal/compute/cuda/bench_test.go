@@ -265,6 +265,7 @@ func TestBenchGraph8B(t *testing.T) {
 		name string
 		tu   tuning
 	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
+		{"new-nofused", tuning{noFused: true}},
 		{"old", tuning{noFused: true, decodeV1: true}}} {
 		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {
 			continue

@@ -43,7 +43,9 @@ func Supports(c model.Config) error {
 type blockKernels struct {
 	mod                                             *cu.Module
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
-	moeRoute, moeSiLU, moeDown                      *cu.Function
+	moeRoute, gemvSiLU, gemvDown                    *cu.Function
+	moeSiLU, moeDown                                *cu.Function // moe_sk_*: bf16 only
+	grouped                                         bool         // the shapes suit the grouped kernels
 	// the grouped GEMMs' split-K: resident blocks of the GPU, and the
 	// partials and counters of passes of at most skMaxN tokens
 	moeCap          int
@@ -73,7 +75,8 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		dst  **cu.Function
 		name string
 	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
-		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}} {
+		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}, {&bk.gemvSiLU, "moe_gemv_silu"},
+		{&bk.gemvDown, "moe_gemv_down"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
 		}
@@ -89,15 +92,23 @@ const (
 	// moeRouteMax is the most tokens routed by one moe_route launch (its
 	// 16 warps route them one after another) instead of moe_topk's grid.
 	moeRouteMax = 64
+	// moeGemvMax is the most tokens of a pass whose experts run moe_gemv_*
+	// (weights read once per 4 rows of an expert) rather than moe_sk_*.
+	moeGemvMax = 8
 )
 
-// loadGrouped finds the grouped expert GEMMs in the llama set (bf16 with
-// the second-generation kernels) when the expert shapes suit them, and
-// allocates their split-K workspace.
+// loadGrouped enables the grouped expert kernels when the expert shapes
+// suit them: moe_gemv_* always, and the tensor-core moe_sk_* of the llama
+// set (bf16 with the second-generation kernels), whose split-K workspace it
+// allocates.
 func (b *Backend) loadGrouped() error {
 	c := &b.cfg
 	bk := &b.bk
-	if !c.Spec.MLP.MoE || !b.bf16 || c.Dim%8 != 0 || c.ExpertDim%8 != 0 {
+	if !c.Spec.MLP.MoE || c.Dim%8 != 0 || c.ExpertDim%8 != 0 {
+		return nil
+	}
+	bk.grouped = true
+	if !b.bf16 {
 		return nil
 	}
 	silu, err1 := b.mod.Function("moe_sk_silu")
@@ -155,7 +166,7 @@ func (b *Backend) moeShapes(n int) [2]moeShape {
 
 // moeCapturable says whether the MoE blocks run without the host (the
 // routing and the grouped GEMMs on the device), so decode can be captured.
-func (b *Backend) moeCapturable() bool { return b.bk.moeDown != nil }
+func (b *Backend) moeCapturable() bool { return b.bk.grouped }
 
 // layerPass is what the blocks of one enqueued pass share: the plan, the
 // buffers and the launch shapes that depend on the pass alone.
@@ -402,9 +413,11 @@ func (b *Backend) moeGroupedFor(n int) bool {
 // moe_route launch for both at decode sizes),
 // then the chosen experts' GEMMs over their rows (the other experts'
 // weights are not read) and the weighted sum added to the residual
-// stream. The grouped form (lp.grouped) reads the routing on the device
-// and can be captured; the other copies the expert offsets to the host
-// (a synchronisation) and runs one GEMM per expert.
+// stream. The grouped forms (lp.grouped: moe_gemv_* for a few tokens,
+// moe_sk_* for more; in batch-invariant mode one of them for every pass)
+// read the routing on the device and can be captured; the other copies
+// the expert offsets to the host (a synchronisation) and runs one GEMM per
+// expert.
 func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	c := &b.cfg
 	r, d, m := lp.r, lp.d, lp.moe
@@ -436,15 +449,21 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 		r.launch(b.bk.moeSort, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids,
 			int32(nk), int32(K), int32(E))
 	}
-	if lp.grouped {
-		bk := &b.bk
+	bk := &b.bk
+	switch {
+	case lp.grouped && (bk.moeDown == nil || n <= moeGemvMax && !b.opts.BatchInvariant):
+		r.launch(bk.gemvSiLU, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
+			mm.src, mm.act, mm.nact, mm.offs, int32(I), int32(dim))
+		r.launch(bk.gemvDown, cu.Dim3{X: uint32(ceilDiv(dim, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.ye.p, m.h.p,
+			mw.w2, mm.act, mm.nact, mm.offs, int32(dim), int32(I))
+	case lp.grouped:
 		sh := b.moeShapes(n)
 		grid := func(k moeShape) cu.Dim3 { return cu.Dim3{X: uint32(k.rb), Y: uint32(k.splits), Z: uint32(k.slots)} }
 		r.launch(bk.moeSiLU, grid(sh[0]), cu.D1(skThreads), 0, m.h.p, d.xb, mw.w13, mm.src, mm.act, mm.nact, mm.offs,
 			int32(I), int32(dim), int32(sh[0].cps), bk.moePart, bk.moeCnt)
 		r.launch(bk.moeDown, grid(sh[1]), cu.D1(skThreads), 0, m.ye.p, m.h.p, mw.w2, mm.act, mm.nact, mm.offs, int32(dim),
 			int32(I), int32(sh[1].cps), bk.moePart, bk.moeCnt)
-	} else {
+	default:
 		b.moeExperts(lp, w, mm)
 	}
 	r.launch(b.bk.moeCombine, cu.Dim3{X: uint32(n), Y: uint32(ceilDiv(dim, 256)), Z: 1}, cu.D1(256), 0, d.x, m.ye.p, mm.rows, mm.wts, sh, gate,

@@ -323,3 +323,140 @@ func checkRoute(t *testing.T, tc string, out []int32, logits []float32, n, e, k,
 		}
 	}
 }
+
+// TestGroupedGEMVEmulated runs moe_gemv_silu and moe_gemv_down on the host
+// over a routing with experts of 0 to 9 rows (more than one GEMV_T group)
+// and k lengths below, at and past one 1024-element pass, in bf16 and
+// float32, against float64 references: every output row written, each
+// within the storage type's rounding.
+func TestGroupedGEMVEmulated(t *testing.T) {
+	for _, bf := range []bool{true, false} {
+		bin := blocksEmu(t, 64, bf)
+		r := rand.New(rand.NewPCG(7, 8))
+		const E, ntok, k = 6, 9, 3
+		// routing: token t picks experts (t+j*2) % E for j < k, expert 5 none
+		var ids []int
+		for tk := 0; tk < ntok; tk++ {
+			for j := 0; j < k; j++ {
+				ids = append(ids, (tk+j*2)%(E-1))
+			}
+		}
+		offs := make([]int32, E+1)
+		for _, id := range ids {
+			offs[id+1]++
+		}
+		for e := 0; e < E; e++ {
+			offs[e+1] += offs[e]
+		}
+		next := append([]int32(nil), offs[:E]...)
+		rows := len(ids)
+		src := make([]int32, rows)
+		for p, id := range ids {
+			src[next[id]] = int32(p / k)
+			next[id]++
+		}
+		var act []int32
+		for e := 0; e < E; e++ {
+			if offs[e+1] > offs[e] {
+				act = append(act, int32(e))
+			}
+		}
+		actE := append(append([]int32(nil), act...), make([]int32, E-len(act))...)
+		for _, silu := range []bool{true, false} {
+			for _, tc := range []struct{ units, in int }{{13, 40}, {24, 1032}} {
+				nrow, xrows := 1, rows
+				if silu {
+					nrow, xrows = 2, ntok
+				}
+				X := randF32(r, xrows*tc.in, 1)
+				W := randF32(r, E*nrow*tc.units*tc.in, 0.2)
+				if bf {
+					X, W = bf16Round(X), bf16Round(W)
+				}
+				var in bytes.Buffer
+				put(t, &in, int32(5), int32(b2i(silu)), int32(E), int32(tc.units), int32(tc.in), int32(rows), int32(ntok), int32(len(act)),
+					actE, offs, src)
+				putT(t, &in, bf, X)
+				putT(t, &in, bf, W)
+				var got []float32
+				if silu && bf {
+					got = bf16Floats(emuCall[uint16](t, bin, &in, rows*tc.units))
+				} else {
+					got = emuCall[float32](t, bin, &in, rows*tc.units)
+				}
+				for e := 0; e < E; e++ {
+					for row := int(offs[e]); row < int(offs[e+1]); row++ {
+						xr := row
+						if silu {
+							xr = int(src[row])
+						}
+						for o := 0; o < tc.units; o++ {
+							dot := func(wr int) (float64, float64) {
+								var s, a float64
+								for i := 0; i < tc.in; i++ {
+									v := float64(W[(e*nrow*tc.units+wr)*tc.in+i]) * float64(X[xr*tc.in+i])
+									s, a = s+v, a+math.Abs(v)
+								}
+								return s, a
+							}
+							want, mag := dot(o)
+							tol := 1e-5 * mag
+							if silu {
+								u, umag := dot(tc.units + o)
+								if bf {
+									want, u = float64(bf16Round([]float32{float32(want)})[0]), float64(bf16Round([]float32{float32(u)})[0])
+								}
+								mag = math.Abs(want/(1+math.Exp(-want)))*umag + mag*math.Abs(u)
+								want = want / (1 + math.Exp(-want)) * u
+								tol = 1e-5*mag + math.Abs(want)*1e-6
+								if bf {
+									tol += math.Abs(want) / 128
+								}
+							}
+							if g := float64(got[row*tc.units+o]); !(math.Abs(g-want) <= tol+1e-7) {
+								t.Fatalf("bf16 %v silu %v %+v: row %d (expert %d) unit %d: %v, want %v (tol %g)", bf, silu, tc, row, e, o,
+									g, want, tol)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// bf16Round rounds each value to bfloat16 (nearest even).
+func bf16Round(v []float32) []float32 {
+	o := make([]float32, len(v))
+	for i, x := range v {
+		o[i] = math.Float32frombits(uint32(bf16Bits(x)) << 16)
+	}
+	return o
+}
+
+func bf16Bits(x float32) uint16 {
+	u := math.Float32bits(x)
+	u += 0x7fff + (u>>16)&1
+	return uint16(u >> 16)
+}
+
+func bf16Floats(h []uint16) []float32 {
+	o := make([]float32, len(h))
+	for i, x := range h {
+		o[i] = math.Float32frombits(uint32(x) << 16)
+	}
+	return o
+}
+
+// putT writes v as the emulation's T: bf16 bits or float32.
+func putT(t *testing.T, w *bytes.Buffer, bf bool, v []float32) {
+	if !bf {
+		put(t, w, v)
+		return
+	}
+	h := make([]uint16, len(v))
+	for i, x := range v {
+		h[i] = bf16Bits(x)
+	}
+	put(t, w, h)
+}

@@ -12,6 +12,10 @@
 //   route:   n, stride, E, k, norm, fused, logits f32 [n][stride]; moe_topk
 //            then moe_sort, or moe_route when fused; out ids [n*k], w f32 [n*k], rows [n*k], src [n*k],
 //            offs [E+1], act [E], nact.
+//   gemv:    silu, E, units, in, rows, tokens, nact, act [E], offs [E+1],
+//            src [rows], X T [tokens (silu) or rows][in], W T
+//            [E][(2 if silu) units][in]; moe_gemv_silu or moe_gemv_down;
+//            out h T or Y f32 [rows][units].
 #include "cudaemu.h"
 #include BLOCKS_CU
 
@@ -96,6 +100,28 @@ int main(int argc, char **argv) {
 			wrv(offs, E + 1);
 			wrv(act, E);
 			wrv(nact, 1);
+		} else if (op == 5) {
+			int silu = rd(), E = rd(), units = rd(), n = rd(), rows = rd(), toks = rd(), na = rd();
+			std::vector<int> act, offs, src, nact(1, na);
+			rdv(act, E);
+			rdv(offs, E + 1);
+			rdv(src, rows);
+			std::vector<T> X, W;
+			rdv(X, (size_t)(silu ? toks : rows) * n);
+			rdv(W, (size_t)E * (silu ? 2 : 1) * units * n);
+			unsigned gx = (unsigned)(units + 7) / 8;
+			if (silu) {
+				std::vector<T> h((size_t)rows * units + 1);
+				emu_launch(moe_gemv_silu, {gx, (unsigned)E, 1}, 256, h.data(), (const T *)X.data(), (const T *)W.data(),
+					   (const int *)src.data(), (const int *)act.data(), (const int *)nact.data(), (const int *)offs.data(),
+					   units, n);
+				wrv(h, (size_t)rows * units);
+			} else {
+				std::vector<float> Y((size_t)rows * units + 1);
+				emu_launch(moe_gemv_down, {gx, (unsigned)E, 1}, 256, Y.data(), (const T *)X.data(), (const T *)W.data(),
+					   (const int *)act.data(), (const int *)nact.data(), (const int *)offs.data(), units, n);
+				wrv(Y, (size_t)rows * units);
+			}
 		} else {
 			return 3;
 		}

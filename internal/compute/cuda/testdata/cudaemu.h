@@ -15,6 +15,12 @@
 #include <functional>
 #include <vector>
 
+struct uint4 {
+	unsigned x, y, z, w;
+};
+struct float4 {
+	float x, y, z, w;
+};
 struct emu_dim3 {
 	unsigned x, y, z;
 };
