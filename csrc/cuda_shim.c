@@ -99,6 +99,7 @@ int mc_cuda_bind(void *lib, char *missing, int missing_len) {
 	OPT(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", NULL, NULL);
 	OPT(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", NULL, NULL);
 	OPT(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", NULL, NULL);
+	OPT(cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange", NULL, NULL);
 	/* Graphs: the _v2 capture call takes the mode (the unversioned symbol
 	 * is the CUDA 10.0 one without it); exec update _v2 is CUDA 12's. */
 	OPT(cuStreamBeginCapture, "cuStreamBeginCapture_v2", NULL, NULL);
@@ -248,6 +249,12 @@ CUresult mc_cuMemImportFD(CUcontext c, CUmemGenericAllocationHandle *h, int fd) 
 CUresult mc_cuMemImportFabric(CUcontext c, CUmemGenericAllocationHandle *h, const mc_CUmemFabricHandle *in) {
 	WITH_CTX(c);
 	return CALL(cuMemImportFromShareableHandle, h, (void *)in, 8);
+}
+/* The range must be aligned to the host page size. */
+CUresult mc_cuMemGetDmabufFD(CUcontext c, int *fd, CUdeviceptr p, size_t n) {
+	*fd = -1;
+	WITH_CTX(c);
+	return CALL(cuMemGetHandleForAddressRange, (void *)fd, p, n, 1 /* CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD */, 0);
 }
 
 CUresult mc_cuIpcGetMemHandle(CUcontext c, mc_CUipcMemHandle *h, CUdeviceptr p) { WITH_CTX(c); return CALL(cuIpcGetMemHandle, h, p); }
