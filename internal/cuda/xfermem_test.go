@@ -10,6 +10,8 @@ import (
 
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs/fake"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
@@ -52,6 +54,20 @@ func gpuPool(t testing.TB, size int) transfer.DeviceMemory {
 func TestPoolOverTCP(t *testing.T) {
 	gpuPool(t, 1<<20).(ownedPool).Close() // skip early without a GPU
 	transfertest.RunDevice(t, func() []transfer.Transport { return []transfer.Transport{tcp.New(tcp.Config{})} }, gpuPool)
+}
+
+// TestPoolOverRDMAFakeHCA moves real GPU memory over rdma on the fake HCA
+// between two engines of this process, every byte checked. The fake maps a
+// dma-buf with mmap, which GPU dma-bufs normally refuse: the pools then
+// fall back to host staging (the path a NIC without dma-buf support takes),
+// and this checks staging through pinned memory and the pool's copy
+// streams (the rdma log says which path was taken).
+func TestPoolOverRDMAFakeHCA(t *testing.T) {
+	gpuPool(t, 1<<20).(ownedPool).Close() // skip early without a GPU
+	fab := fake.NewFabric()
+	transfertest.RunDevice(t, func() []transfer.Transport {
+		return []transfer.Transport{rdma.New(rdma.Config{Provider: fab.NewHost("mlx5_0")})}
+	}, gpuPool)
 }
 
 // TestPoolCopies: the pool's copies round-trip bytes, refuse ranges
