@@ -8,6 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
@@ -61,10 +64,21 @@ func TestPoolOverTCP(t *testing.T) {
 // dma-buf with mmap, which GPU dma-bufs normally refuse: the pools then
 // fall back to host staging (the path a NIC without dma-buf support takes),
 // and this checks staging through pinned memory and the pool's copy
-// streams (the rdma log says which path was taken).
+// streams. It logs which path a pool took.
 func TestPoolOverRDMAFakeHCA(t *testing.T) {
-	gpuPool(t, 1<<20).(ownedPool).Close() // skip early without a GPU
+	m := gpuPool(t, 1<<20)
+	t.Cleanup(func() { m.(ownedPool).Close() }) // after the engine's cleanup
 	fab := fake.NewFabric()
+	core, logs := observer.New(zap.DebugLevel)
+	n := transfertest.NewNode(t, func() []transfer.Transport {
+		return []transfer.Transport{rdma.New(rdma.Config{Provider: fab.NewHost("mlx5_0")})}
+	}, func(c *transfer.Config) { c.Logger = zap.New(core) })
+	if err := n.E.RegisterMemory(context.Background(), uintptr(m.Base()), 1<<20, transfertest.DeviceLocation, transfer.AccessReadWrite, transfer.WithMemory(m)); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range logs.FilterMessageSnippet("stages GPU memory").All() {
+		t.Logf("%s: %v", e.Message, e.ContextMap())
+	}
 	transfertest.RunDevice(t, func() []transfer.Transport {
 		return []transfer.Transport{rdma.New(rdma.Config{Provider: fab.NewHost("mlx5_0")})}
 	}, gpuPool)
