@@ -369,8 +369,9 @@ func accessFlags(a transfer.Access) verbs.Access {
 }
 
 // DMABufMemory is device memory that exports a dma-buf for a range (for
-// CUDA, cuMemGetHandleForAddressRange), so that NICs register it with
-// ibv_reg_dmabuf_mr and move its bytes directly (GPUDirect RDMA).
+// CUDA, cuMemGetHandleForAddressRange: internal/cuda's Pool), so that NICs
+// register it with ibv_reg_dmabuf_mr and move its bytes directly
+// (GPUDirect RDMA).
 type DMABufMemory interface {
 	transfer.Memory
 	// DMABuf returns a dma-buf file descriptor holding [addr, addr+n) at
