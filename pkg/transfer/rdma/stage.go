@@ -329,6 +329,9 @@ func (pp *pipe) spans(pc *piece, flush func()) error {
 }
 
 func (pp *pipe) span(r *staging.Ring, n int, flush func(), whose string) (*staging.Span, error) {
+	if uint64(n) > r.Size() {
+		return nil, fmt.Errorf("%w: rdma: a piece of %d bytes does not fit in %s staging of %d bytes", transfer.ErrDeviceCopy, n, whose, r.Size())
+	}
 	if sp, ok := r.TryAlloc(n); ok {
 		return sp, nil
 	}
