@@ -199,11 +199,17 @@ CUresult mc_cuMemHostUnregister(CUcontext c, uintptr_t p) { WITH_CTX(c); return 
 CUresult mc_cuMemHostGetDevicePointer(CUcontext c, CUdeviceptr *d, uintptr_t p) { WITH_CTX(c); return CALL(cuMemHostGetDevicePointer, d, (void *)p, 0); }
 
 static void mc_prop(mc_CUmemAllocationProp *prop, CUdevice d, int handle_types) {
+	int rdma = 0;
 	memset(prop, 0, sizeof(*prop));
 	prop->type = 1;          /* CU_MEM_ALLOCATION_TYPE_PINNED */
 	prop->location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
 	prop->location.id = d;
 	prop->requestedHandleTypes = handle_types;
+	/* A NIC may register the memory (GPUDirect RDMA through a dma-buf or
+	 * peer memory) only if it was allocated so; devices that support that
+	 * for VMM say so (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED). */
+	if (mc_cu.cuDeviceGetAttribute && mc_cu.cuDeviceGetAttribute(&rdma, 110, d) == MC_CUDA_SUCCESS && rdma)
+		prop->allocFlags.gpuDirectRDMACapable = 1;
 }
 
 CUresult mc_cuMemGetAllocationGranularity(size_t *g, CUdevice d, int ht, int option) {
