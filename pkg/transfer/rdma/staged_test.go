@@ -415,3 +415,52 @@ func TestStagedTargetCopyPastBound(t *testing.T) {
 		t.Fatal("the next batch's bytes differ")
 	}
 }
+
+// Staging is registered once per peer (initiator) and per connection
+// (target), not per batch, and released: the target's when the
+// initiator's engine closes, everything when the target's does.
+func TestStagingRegisteredOnce(t *testing.T) {
+	fab := fake.NewFabric()
+	ha, hb := fab.NewHost("mlx5_0", "mlx5_1"), fab.NewHost("mlx5_0")
+	mk := func(h *fake.Host) *transfertest.Node {
+		return transfertest.NewNode(t, func() []transfer.Transport {
+			return []transfer.Transport{rdma.New(rdma.Config{Provider: h, StagingSize: 1 << 20})}
+		}, nil)
+	}
+	a, b := mk(ha), mk(hb)
+	ad := a.AllocDevice(t, transfertest.FakeDevices, 1<<20, transfer.AccessReadWrite)
+	bd := b.AllocDevice(t, transfertest.FakeDevices, 1<<20, transfer.AccessReadWrite)
+	bh := b.Alloc(t, 1<<20, transfer.AccessReadWrite)
+	mrs := func(h *fake.Host, nic string) int { _, m, _ := h.HCA(nic).Live(); return m }
+	// Device regions have no MR; the host region one per NIC.
+	if got := [3]int{mrs(ha, "mlx5_0"), mrs(ha, "mlx5_1"), mrs(hb, "mlx5_0")}; got != [3]int{0, 0, 1} {
+		t.Fatalf("MRs before any transfer: %v, want [0 0 1]", got)
+	}
+	ctx := context.Background()
+	seg, err := a.E.OpenSegment(ctx, b.E.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 5; i++ {
+		for _, op := range []transfer.Op{transfer.Write, transfer.Read} {
+			if err := a.E.Transfer(ctx, []transfer.Request{
+				{Op: op, Local: uintptr(ad.Addr), Len: 300 << 10, Segment: seg, Remote: bd.Addr},
+				{Op: op, Local: uintptr(ad.Addr) + 512<<10, Len: 300 << 10, Segment: seg, Remote: bh.Addr()},
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// One local staging on each of a's NICs; one served area on b's.
+	if got := [3]int{mrs(ha, "mlx5_0"), mrs(ha, "mlx5_1"), mrs(hb, "mlx5_0")}; got != [3]int{1, 1, 2} {
+		t.Fatalf("MRs after 10 staged batches: %v, want [1 1 2]", got)
+	}
+	a.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for mrs(hb, "mlx5_0") != 1 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := [3]int{mrs(ha, "mlx5_0"), mrs(ha, "mlx5_1"), mrs(hb, "mlx5_0")}; got != [3]int{0, 0, 1} {
+		t.Fatalf("MRs after the initiator closed: %v, want [0 0 1]", got)
+	}
+}
