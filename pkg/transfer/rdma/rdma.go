@@ -1099,6 +1099,9 @@ func (p *peer) exchange(ctx context.Context, m *message, bound time.Duration) (r
 	if e := p.connErr.Load(); e != nil {
 		return nil, fmt.Errorf("control connection failed earlier: %w", *e)
 	}
+	if err := ctx.Err(); err != nil {
+		return nil, err // nothing sent: the connection is still in step
+	}
 	defer func() {
 		if err != nil {
 			p.connErr.CompareAndSwap(nil, &err)

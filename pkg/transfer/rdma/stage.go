@@ -261,19 +261,26 @@ func (pp *pipe) feed(pcs []*piece) {
 		group = group[:0]
 	}
 	for i, pc := range pcs {
-		select {
-		case pp.room <- struct{}{}:
-		default:
-			flush()
+		ended := pp.ctx().Err() != nil
+		if !ended {
 			select {
 			case pp.room <- struct{}{}:
-			case <-pp.ctx().Done():
-				for _, pc := range pcs[i:] {
-					pc.err = fmt.Errorf("rdma: %s: %w", pc.what(pp.p.name), pp.ctx().Err())
-					pp.end(pc, false)
+			default:
+				flush()
+				select {
+				case pp.room <- struct{}{}:
+				case <-pp.ctx().Done():
+					ended = true
 				}
-				return
 			}
+		}
+		if ended {
+			flush()
+			for _, pc := range pcs[i:] {
+				pc.err = fmt.Errorf("rdma: %s: %w", pc.what(pp.p.name), pp.ctx().Err())
+				pp.end(pc, false)
+			}
+			return
 		}
 		if err := pp.spans(pc, flush); err != nil {
 			pc.err = err
@@ -380,10 +387,14 @@ func (pp *pipe) copies(group []*piece, in bool) {
 	} else if err == nil && len(resp.Errs) != len(ask) {
 		err = fmt.Errorf("%d results for %d copies", len(resp.Errs), len(ask))
 	}
+	// A request sent without its answer leaves the target's copies in an
+	// unknown state; the connection is out of use then (a new one comes
+	// with a new area), so those spans are never reused.
+	lost := pp.p.connErr.Load() != nil
 	for i, pc := range ask {
 		switch {
 		case err != nil:
-			pc.rspLost = true
+			pc.rspLost = lost
 			pc.err = fmt.Errorf("%w: rdma: %s's device copy %s for %s: %w", transfer.ErrDeviceCopy, pp.p.name, dir, pc.what(pp.p.name), err)
 		case resp.Errs[i] != "":
 			pc.err = fmt.Errorf("%w: rdma: %s's device copy %s for %s: %s", transfer.ErrDeviceCopy, pp.p.name, dir, pc.what(pp.p.name), resp.Errs[i])
