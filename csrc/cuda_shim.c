@@ -99,6 +99,7 @@ int mc_cuda_bind(void *lib, char *missing, int missing_len) {
 	OPT(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity", NULL, NULL);
 	OPT(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", NULL, NULL);
 	OPT(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", NULL, NULL);
+	OPT(cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange", NULL, NULL);
 	/* Graphs: the _v2 capture call takes the mode (the unversioned symbol
 	 * is the CUDA 10.0 one without it); exec update _v2 is CUDA 12's. */
 	OPT(cuStreamBeginCapture, "cuStreamBeginCapture_v2", NULL, NULL);
@@ -198,11 +199,17 @@ CUresult mc_cuMemHostUnregister(CUcontext c, uintptr_t p) { WITH_CTX(c); return 
 CUresult mc_cuMemHostGetDevicePointer(CUcontext c, CUdeviceptr *d, uintptr_t p) { WITH_CTX(c); return CALL(cuMemHostGetDevicePointer, d, (void *)p, 0); }
 
 static void mc_prop(mc_CUmemAllocationProp *prop, CUdevice d, int handle_types) {
+	int rdma = 0;
 	memset(prop, 0, sizeof(*prop));
 	prop->type = 1;          /* CU_MEM_ALLOCATION_TYPE_PINNED */
 	prop->location.type = 1; /* CU_MEM_LOCATION_TYPE_DEVICE */
 	prop->location.id = d;
 	prop->requestedHandleTypes = handle_types;
+	/* A NIC may register the memory (GPUDirect RDMA through a dma-buf or
+	 * peer memory) only if it was allocated so; devices that support that
+	 * for VMM say so (CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED). */
+	if (mc_cu.cuDeviceGetAttribute && mc_cu.cuDeviceGetAttribute(&rdma, 110, d) == MC_CUDA_SUCCESS && rdma)
+		prop->allocFlags.gpuDirectRDMACapable = 1;
 }
 
 CUresult mc_cuMemGetAllocationGranularity(size_t *g, CUdevice d, int ht, int option) {
@@ -248,6 +255,12 @@ CUresult mc_cuMemImportFD(CUcontext c, CUmemGenericAllocationHandle *h, int fd) 
 CUresult mc_cuMemImportFabric(CUcontext c, CUmemGenericAllocationHandle *h, const mc_CUmemFabricHandle *in) {
 	WITH_CTX(c);
 	return CALL(cuMemImportFromShareableHandle, h, (void *)in, 8);
+}
+/* The range must be aligned to the host page size. */
+CUresult mc_cuMemGetDmabufFD(CUcontext c, int *fd, CUdeviceptr p, size_t n) {
+	*fd = -1;
+	WITH_CTX(c);
+	return CALL(cuMemGetHandleForAddressRange, (void *)fd, p, n, 1 /* CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD */, 0);
 }
 
 CUresult mc_cuIpcGetMemHandle(CUcontext c, mc_CUipcMemHandle *h, CUdeviceptr p) { WITH_CTX(c); return CALL(cuIpcGetMemHandle, h, p); }

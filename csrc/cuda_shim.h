@@ -150,6 +150,8 @@ typedef struct {
 	CUresult (*cuMemGetAllocationGranularity)(size_t *, const mc_CUmemAllocationProp *, int);
 	CUresult (*cuMemExportToShareableHandle)(void *, CUmemGenericAllocationHandle, int, unsigned long long);
 	CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *, void *, int);
+	/* Optional (CUDA 11.7+): a dma-buf fd for a mapped range. */
+	CUresult (*cuMemGetHandleForAddressRange)(void *, CUdeviceptr, size_t, int /* CUmemRangeHandleType */, unsigned long long);
 
 	CUresult (*cuIpcGetMemHandle)(mc_CUipcMemHandle *, CUdeviceptr);
 	CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, mc_CUipcMemHandle, unsigned int);
@@ -253,6 +255,7 @@ CUresult mc_cuMemExportFD(int *fd, CUmemGenericAllocationHandle h);
 CUresult mc_cuMemExportFabric(mc_CUmemFabricHandle *out, CUmemGenericAllocationHandle h);
 CUresult mc_cuMemImportFD(CUcontext c, CUmemGenericAllocationHandle *h, int fd);
 CUresult mc_cuMemImportFabric(CUcontext c, CUmemGenericAllocationHandle *h, const mc_CUmemFabricHandle *in);
+CUresult mc_cuMemGetDmabufFD(CUcontext c, int *fd, CUdeviceptr p, size_t n);
 
 CUresult mc_cuIpcGetMemHandle(CUcontext c, mc_CUipcMemHandle *h, CUdeviceptr p);
 CUresult mc_cuIpcOpenMemHandle(CUcontext c, CUdeviceptr *p, const mc_CUipcMemHandle *h, unsigned int flags);

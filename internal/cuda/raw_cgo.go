@@ -271,6 +271,11 @@ func cuMemExportFabric(h MemHandle) (FabricHandle, Result) {
 	copy(fh[:], C.GoBytes(unsafe.Pointer(&out.data[0]), 64))
 	return fh, res
 }
+func cuMemGetDmabufFD(c unsafe.Pointer, p DevicePtr, n uint64) (int, Result) {
+	var fd C.int
+	res := r(C.mc_cuMemGetDmabufFD(C.CUcontext(c), &fd, C.CUdeviceptr(p), C.size_t(n)))
+	return int(fd), res
+}
 func cuMemImportFD(c unsafe.Pointer, fd int) (MemHandle, Result) {
 	var h C.CUmemGenericAllocationHandle
 	res := r(C.mc_cuMemImportFD(C.CUcontext(c), &h, C.int(fd)))

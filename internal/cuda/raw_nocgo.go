@@ -89,6 +89,7 @@ func cuMemSetAccess(unsafe.Pointer, DevicePtr, uint64, []Device) Result         
 func cuMemExportFD(MemHandle) (int, Result)                                      { return -1, noCgo }
 func cuMemExportFabric(MemHandle) (FabricHandle, Result)                         { return FabricHandle{}, noCgo }
 func cuMemImportFD(unsafe.Pointer, int) (MemHandle, Result)                      { return 0, noCgo }
+func cuMemGetDmabufFD(unsafe.Pointer, DevicePtr, uint64) (int, Result)           { return -1, noCgo }
 func cuMemImportFabric(unsafe.Pointer, FabricHandle) (MemHandle, Result)         { return 0, noCgo }
 func cuIpcGetMemHandle(unsafe.Pointer, DevicePtr) (IpcMemHandle, Result) {
 	return IpcMemHandle{}, noCgo

@@ -75,6 +75,14 @@ func (c *Context) MemImportFabric(fh FabricHandle) (MemHandle, error) {
 	return h, check("cuMemImportFromShareableHandle", res)
 }
 
+// MemGetDmabufFD exports [p, p+n) of mapped memory as a dma-buf file
+// descriptor owned by the caller (cuMemGetHandleForAddressRange); p and n
+// must be multiples of the host page size.
+func (c *Context) MemGetDmabufFD(p DevicePtr, n uint64) (int, error) {
+	fd, res := cuMemGetDmabufFD(c.h, p, n)
+	return fd, check("cuMemGetHandleForAddressRange", res)
+}
+
 // FabricProbe is the outcome of a trial FABRIC allocation.
 type FabricProbe struct {
 	AttributeSupported bool  // what CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED says

@@ -8,8 +8,13 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs/fake"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
@@ -52,6 +57,31 @@ func gpuPool(t testing.TB, size int) transfer.DeviceMemory {
 func TestPoolOverTCP(t *testing.T) {
 	gpuPool(t, 1<<20).(ownedPool).Close() // skip early without a GPU
 	transfertest.RunDevice(t, func() []transfer.Transport { return []transfer.Transport{tcp.New(tcp.Config{})} }, gpuPool)
+}
+
+// TestPoolOverRDMAFakeHCA moves real GPU memory over rdma on the fake HCA
+// between two engines of this process, every byte checked. The fake maps a
+// dma-buf with mmap, which GPU dma-bufs normally refuse: the pools then
+// fall back to host staging (the path a NIC without dma-buf support takes),
+// and this checks staging through pinned memory and the pool's copy
+// streams. It logs which path a pool took.
+func TestPoolOverRDMAFakeHCA(t *testing.T) {
+	m := gpuPool(t, 1<<20)
+	t.Cleanup(func() { m.(ownedPool).Close() }) // after the engine's cleanup
+	fab := fake.NewFabric()
+	core, logs := observer.New(zap.DebugLevel)
+	n := transfertest.NewNode(t, func() []transfer.Transport {
+		return []transfer.Transport{rdma.New(rdma.Config{Provider: fab.NewHost("mlx5_0")})}
+	}, func(c *transfer.Config) { c.Logger = zap.New(core) })
+	if err := n.E.RegisterMemory(context.Background(), uintptr(m.Base()), 1<<20, transfertest.DeviceLocation, transfer.AccessReadWrite, transfer.WithMemory(m)); err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range logs.FilterMessageSnippet("stages GPU memory").All() {
+		t.Logf("%s: %v", e.Message, e.ContextMap())
+	}
+	transfertest.RunDevice(t, func() []transfer.Transport {
+		return []transfer.Transport{rdma.New(rdma.Config{Provider: fab.NewHost("mlx5_0")})}
+	}, gpuPool)
 }
 
 // TestPoolCopies: the pool's copies round-trip bytes, refuse ranges

@@ -146,7 +146,7 @@ func TestGPUMemoryWithoutDMABuf(t *testing.T) {
 		t.Fatalf("GPU memory without a dma-buf: %v", err)
 	}
 	err = n.E.RegisterMemory(context.Background(), uintptr(g.base), g.size, transfer.Location{Kind: transfer.CUDA, Index: 1}, transfer.AccessReadWrite)
-	if !errors.Is(err, transfer.ErrCannotRegister) || !strings.Contains(err.Error(), "rdma: cuda:1 memory offers no dma-buf") {
+	if !errors.Is(err, transfer.ErrCannotRegister) || !strings.Contains(err.Error(), "rdma: cuda:1 memory: offers no dma-buf") {
 		t.Fatalf("GPU memory given as no memory: %v", err)
 	}
 }

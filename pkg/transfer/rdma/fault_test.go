@@ -299,12 +299,14 @@ func TestStartNamesTheDevice(t *testing.T) {
 	if err := (&rdma.Config{}).Validate(); err == nil {
 		t.Error("a config with no provider validated")
 	}
-	for _, c := range []rdma.Config{{Provider: h, SliceSize: -1}, {Provider: h, MaxWR: 1 << 20}, {Provider: h, GIDIndex: 300}, {Provider: h, CQDepth: -1}} {
+	for _, c := range []rdma.Config{{Provider: h, SliceSize: -1}, {Provider: h, MaxWR: 1 << 20}, {Provider: h, GIDIndex: 300}, {Provider: h, CQDepth: -1},
+		{Provider: h, StagingSize: -1}, {Provider: h, StagingSize: 2 << 30}, {Provider: h, MaxServedStaging: -1}} {
 		if err := c.Validate(); err == nil {
 			t.Errorf("%+v validated", c)
 		}
 	}
-	if got := rdma.New(rdma.Config{Provider: h, MaxWR: 8192}).Config(); got.Port != 1 || got.SliceSize == 0 || got.CQDepth < got.MaxWR {
+	if got := rdma.New(rdma.Config{Provider: h, MaxWR: 8192}).Config(); got.Port != 1 || got.SliceSize == 0 || got.CQDepth < got.MaxWR ||
+		got.StagingSize != 16<<20 || got.MaxServedStaging != 64*16<<20 {
 		t.Errorf("defaults not filled: %+v", got)
 	}
 }

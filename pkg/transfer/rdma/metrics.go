@@ -16,6 +16,10 @@ type metrics struct {
 	errors   *prometheus.CounterVec // nic, status: completions in error
 	retries  *prometheus.CounterVec // nic: slices posted again after a failure on nic
 	qps      *prometheus.GaugeVec   // nic: queue pairs set up to peers
+	// Staging of GPU memory without GPUDirect RDMA.
+	regions   *prometheus.GaugeVec   // kind (host, dmabuf, staged): registered regions
+	fallbacks *prometheus.CounterVec // reason: GPU regions staged for want of GPUDirect RDMA
+	staged    *prometheus.CounterVec // side (local, remote), op: bytes moved through staging
 }
 
 func newMetrics(reg prometheus.Registerer) (*metrics, error) {
@@ -35,11 +39,20 @@ func newMetrics(reg prometheus.Registerer) (*metrics, error) {
 		qps: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "mooncake_rdma_queue_pairs", Help: "Initiator queue pairs set up to peers, by local NIC.",
 		}, []string{"nic"}),
+		regions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "mooncake_rdma_registered_regions", Help: "Local regions registered with rdma, by kind: host (ibv_reg_mr), dmabuf (GPUDirect RDMA), staged (GPU memory through host buffers).",
+		}, []string{"kind"}),
+		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_rdma_staging_fallbacks_total", Help: "GPU regions staged through host buffers for want of GPUDirect RDMA, by reason (no_dmabuf, dmabuf_export, reg_dmabuf_mr).",
+		}, []string{"reason"}),
+		staged: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "mooncake_rdma_staged_bytes_total", Help: "Bytes of staged pieces moved, by the side whose GPU memory was staged (local: at least this side; remote: only the peer's) and op.",
+		}, []string{"side", "op"}),
 	}
 	if reg == nil {
 		return m, nil
 	}
-	for _, c := range []prometheus.Collector{m.requests, m.bytes, m.errors, m.retries, m.qps} {
+	for _, c := range []prometheus.Collector{m.requests, m.bytes, m.errors, m.retries, m.qps, m.regions, m.fallbacks, m.staged} {
 		if err := reg.Register(c); err != nil {
 			var are prometheus.AlreadyRegisteredError
 			if !errors.As(err, &are) {

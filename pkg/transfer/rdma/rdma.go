@@ -4,7 +4,9 @@
 //
 // Each local NIC gets a protection domain and one completion queue, polled
 // by one goroutine. Registered host regions are registered with every NIC
-// (ibv_reg_mr). Queue pairs to a peer (one per local NIC, paired round-robin
+// (ibv_reg_mr), GPU regions through a dma-buf (ibv_reg_dmabuf_mr); GPU
+// memory the NICs cannot reach that way is staged through pinned host
+// buffers on either side (stage.go). Queue pairs to a peer (one per local NIC, paired round-robin
 // with the peer's NICs) are set up over a connection of kind "rdma" opened
 // through the engine's handshake, so only a peer that proved the cluster
 // secret learns a QP number or a remote key: keys are never in the
@@ -41,6 +43,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/staging"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs"
 )
 
@@ -91,6 +94,12 @@ type Config struct {
 	CQDepth int
 	// Tries bounds how often one slice is posted (default: NICs + 1).
 	Tries int
+	// StagingSize is the host staging for GPU memory without GPUDirect
+	// RDMA: per peer on the initiator, per served connection on the target
+	// (default 16 MiB). MaxServedStaging bounds the served staging of all
+	// connections together (default 64 * StagingSize).
+	StagingSize      int
+	MaxServedStaging int64
 	// Registerer gets the transport's metrics (nil: none); an engine's
 	// second rdma transport on one registry shares the series.
 	Registerer prometheus.Registerer
@@ -100,6 +109,7 @@ const (
 	defaultSlice   = 256 << 10
 	defaultMaxWR   = 128
 	defaultCQDepth = 4096
+	defaultStaging = 16 << 20
 	maxMsg         = 1 << 20 // control message bound
 )
 
@@ -118,6 +128,10 @@ func (c *Config) Validate() error {
 		return fmt.Errorf("rdma: config: GID index %d not in [0, 255]", c.GIDIndex)
 	case c.Tries < 0:
 		return fmt.Errorf("rdma: config: negative tries %d", c.Tries)
+	case c.StagingSize < 0 || c.StagingSize > 1<<30:
+		return fmt.Errorf("rdma: config: staging size %d not in [0, 1 GiB]", c.StagingSize)
+	case c.MaxServedStaging < 0:
+		return fmt.Errorf("rdma: config: negative max served staging %d", c.MaxServedStaging)
 	}
 	return nil
 }
@@ -138,6 +152,12 @@ func (c Config) withDefaults() Config {
 	if c.CQDepth < c.MaxWR {
 		c.CQDepth = c.MaxWR
 	}
+	if c.StagingSize == 0 {
+		c.StagingSize = defaultStaging
+	}
+	if c.MaxServedStaging == 0 {
+		c.MaxServedStaging = 64 * int64(c.StagingSize)
+	}
 	return c
 }
 
@@ -151,13 +171,15 @@ type Transport struct {
 	nics   []*nic
 	m      *metrics
 
-	mu      sync.Mutex
-	regions map[*transfer.Region][]verbs.MR // per NIC
-	gen     atomic.Uint64                   // registrations so far
-	gpus    map[int]int                     // GPU ordinal -> regions registered through dma-buf
-	peers   map[string]*peer
-	served  map[net.Conn]struct{}
-	closed  bool
+	mu            sync.Mutex
+	regions       map[*transfer.Region]*regEntry
+	gen           atomic.Uint64   // registrations so far
+	gpus          map[int]int     // GPU ordinal -> regions registered
+	warned        map[string]bool // staging fallback reasons logged
+	servedStaging *staging.Budget // staging of served connections
+	peers         map[string]*peer
+	served        map[net.Conn]struct{}
+	closed        bool
 
 	ctx    context.Context // canceled by Close: batches end
 	cancel context.CancelFunc
@@ -176,8 +198,9 @@ var (
 
 // New returns an rdma transport. An invalid cfg makes Start fail.
 func New(cfg Config) *Transport {
-	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), regions: map[*transfer.Region][]verbs.MR{}, gpus: map[int]int{},
-		peers: map[string]*peer{}, served: map[net.Conn]struct{}{}}
+	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), regions: map[*transfer.Region]*regEntry{}, gpus: map[int]int{},
+		warned: map[string]bool{}, peers: map[string]*peer{}, served: map[net.Conn]struct{}{}}
+	t.servedStaging = &staging.Budget{Max: t.cfg.MaxServedStaging}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	t.pollCtx, t.stopPoll = context.WithCancel(context.Background())
 	return t
@@ -346,8 +369,9 @@ func accessFlags(a transfer.Access) verbs.Access {
 }
 
 // DMABufMemory is device memory that exports a dma-buf for a range (for
-// CUDA, cuMemGetHandleForAddressRange), so that NICs register it with
-// ibv_reg_dmabuf_mr and move its bytes directly (GPUDirect RDMA).
+// CUDA, cuMemGetHandleForAddressRange: internal/cuda's Pool), so that NICs
+// register it with ibv_reg_dmabuf_mr and move its bytes directly
+// (GPUDirect RDMA).
 type DMABufMemory interface {
 	transfer.Memory
 	// DMABuf returns a dma-buf file descriptor holding [addr, addr+n) at
@@ -355,27 +379,62 @@ type DMABufMemory interface {
 	DMABuf(addr, n uint64) (fd int, off uint64, err error)
 }
 
+// regEntry is one registered local region.
+type regEntry struct {
+	mrs    []verbs.MR            // per NIC; nil for staged memory
+	staged transfer.DeviceMemory // GPU memory the NICs cannot reach: staged through host buffers
+	kind   string                // host, dmabuf, staged (metrics)
+}
+
 // RegisterRegion registers the region with every NIC: host memory with
 // ibv_reg_mr, GPU memory that offers a dma-buf (DMABufMemory) with
-// ibv_reg_dmabuf_mr. The handle only says the region is reachable; its
-// keys go to peers on request.
+// ibv_reg_dmabuf_mr. GPU memory without one, or that a NIC refuses, is
+// staged through host buffers if it is a transfer.DeviceMemory (no MR of
+// its own; logged once per reason and counted). The handle only says the
+// region is reachable (and whether it is staged); its keys go to peers on
+// request.
 func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) {
-	reg := func(n *nic) (verbs.MR, error) { return n.pd.RegMR(uintptr(r.Addr), r.Len, accessFlags(r.Access)) }
-	call := "ibv_reg_mr"
+	e := &regEntry{kind: "host"}
 	if r.Location.Kind == transfer.CUDA {
-		dm, ok := r.Memory.(DMABufMemory)
-		if !ok {
-			return nil, fmt.Errorf("%w: rdma: %v memory offers no dma-buf for GPUDirect RDMA (host staging of GPU memory is not in this transport)",
-				transfer.ErrCannotRegister, r.Location)
+		mrs, reason, err := t.regDMABuf(r)
+		if err == nil {
+			e.mrs, e.kind = mrs, "dmabuf"
+		} else {
+			dev, ok := r.Memory.(transfer.DeviceMemory)
+			if !ok {
+				return nil, fmt.Errorf("%w: rdma: %v memory: %w; and it has no transfer.DeviceMemory to stage through (register it WithMemory)",
+					transfer.ErrCannotRegister, r.Location, err)
+			}
+			e.staged, e.kind = dev, "staged"
+			t.fellBack(r, reason, err)
 		}
-		fd, off, err := dm.DMABuf(r.Addr, r.Len)
+	} else {
+		mrs, err := t.regAll(r, "ibv_reg_mr", func(n *nic) (verbs.MR, error) { return n.pd.RegMR(uintptr(r.Addr), r.Len, accessFlags(r.Access)) })
 		if err != nil {
-			return nil, fmt.Errorf("%w: rdma: dma-buf of %v [%#x, +%d): %w", transfer.ErrCannotRegister, r.Location, r.Addr, r.Len, err)
+			if errors.Is(err, syscall.ENOMEM) {
+				err = fmt.Errorf("%w (raise the locked-memory limit: ulimit -l unlimited, or LimitMEMLOCK=infinity in systemd)", err)
+			}
+			return nil, err
 		}
-		defer closeFD(fd)
-		call = "ibv_reg_dmabuf_mr"
-		reg = func(n *nic) (verbs.MR, error) { return n.pd.RegDmabufMR(off, r.Len, r.Addr, fd, accessFlags(r.Access)) }
+		e.mrs = mrs
 	}
+	t.mu.Lock()
+	t.regions[r] = e
+	if r.Location.Kind == transfer.CUDA {
+		t.gpus[r.Location.Index]++
+	}
+	t.mu.Unlock()
+	t.m.regions.WithLabelValues(e.kind).Inc()
+	// gen tells initiators that cached keys of an earlier registration at
+	// the same address are void.
+	if e.staged != nil {
+		return json.RawMessage(fmt.Sprintf(`{"nics":0,"gen":%d,"staged":true}`, t.gen.Add(1))), nil
+	}
+	return json.RawMessage(fmt.Sprintf(`{"nics":%d,"gen":%d}`, len(e.mrs), t.gen.Add(1))), nil
+}
+
+// regAll registers with every NIC, or with none.
+func (t *Transport) regAll(r *transfer.Region, call string, reg func(*nic) (verbs.MR, error)) ([]verbs.MR, error) {
 	mrs := make([]verbs.MR, 0, len(t.nics))
 	for _, n := range t.nics {
 		m, err := reg(n)
@@ -383,45 +442,81 @@ func (t *Transport) RegisterRegion(r *transfer.Region) (json.RawMessage, error) 
 			for _, m := range mrs {
 				m.Close()
 			}
-			if r.Location.Kind == transfer.CUDA {
-				err = fmt.Errorf("%w: %w", transfer.ErrCannotRegister, err) // no GPUDirect on this NIC: another transport may serve it
-			} else if errors.Is(err, syscall.ENOMEM) {
-				err = fmt.Errorf("%w (raise the locked-memory limit: ulimit -l unlimited, or LimitMEMLOCK=infinity in systemd)", err)
-			}
 			return nil, fmt.Errorf("rdma: %s: %s %v [%#x, +%d): %w", n.name, call, r.Location, r.Addr, r.Len, err)
 		}
 		mrs = append(mrs, m)
 	}
-	t.mu.Lock()
-	t.regions[r] = mrs
-	if r.Location.Kind == transfer.CUDA {
-		t.gpus[r.Location.Index]++
+	return mrs, nil
+}
+
+// Reasons GPU memory is staged (metric labels).
+const (
+	reasonNoDMABuf  = "no_dmabuf"     // the memory offers none
+	reasonExport    = "dmabuf_export" // exporting it failed
+	reasonRegDMABuf = "reg_dmabuf_mr" // a NIC refused it
+)
+
+// regDMABuf registers GPU memory through a dma-buf on every NIC, or says
+// why it cannot.
+func (t *Transport) regDMABuf(r *transfer.Region) ([]verbs.MR, string, error) {
+	dm, ok := r.Memory.(DMABufMemory)
+	if !ok {
+		return nil, reasonNoDMABuf, errors.New("offers no dma-buf for GPUDirect RDMA")
 	}
+	fd, off, err := dm.DMABuf(r.Addr, r.Len)
+	if err != nil {
+		return nil, reasonExport, fmt.Errorf("dma-buf of [%#x, +%d): %w", r.Addr, r.Len, err)
+	}
+	defer closeFD(fd)
+	mrs, err := t.regAll(r, "ibv_reg_dmabuf_mr", func(n *nic) (verbs.MR, error) {
+		return n.pd.RegDmabufMR(off, r.Len, r.Addr, fd, accessFlags(r.Access))
+	})
+	if err != nil {
+		return nil, reasonRegDMABuf, err
+	}
+	return mrs, "", nil
+}
+
+// fellBack counts a GPU region staged for want of GPUDirect RDMA and logs
+// the first of each reason as a warning.
+func (t *Transport) fellBack(r *transfer.Region, reason string, err error) {
+	t.m.fallbacks.WithLabelValues(reason).Inc()
+	t.mu.Lock()
+	first := !t.warned[reason]
+	t.warned[reason] = true
 	t.mu.Unlock()
-	// gen tells initiators that cached keys of an earlier registration at
-	// the same address are void.
-	return json.RawMessage(fmt.Sprintf(`{"nics":%d,"gen":%d}`, len(mrs), t.gen.Add(1))), nil
+	log := t.lg.Debug
+	if first {
+		log = t.lg.Warn
+	}
+	log("rdma stages GPU memory through host buffers (no GPUDirect RDMA for it)", zap.String("location", r.Location.String()),
+		zap.Uint64("addr", r.Addr), zap.Uint64("bytes", r.Len), zap.String("reason", reason), zap.Error(err))
 }
 
 // UnregisterRegion deregisters the region's MRs: once it returns, no
 // HCA touches the memory and its keys are void.
 func (t *Transport) UnregisterRegion(r *transfer.Region) {
 	t.mu.Lock()
-	mrs, ok := t.regions[r]
+	e, ok := t.regions[r]
 	delete(t.regions, r)
 	if ok && r.Location.Kind == transfer.CUDA {
 		t.gpus[r.Location.Index]--
 	}
 	t.mu.Unlock()
-	for i, m := range mrs {
+	if !ok {
+		return
+	}
+	t.m.regions.WithLabelValues(e.kind).Dec()
+	for i, m := range e.mrs {
 		if err := m.Close(); err != nil {
 			t.lg.Error("ibv_dereg_mr", zap.String("nic", t.nics[i].name), zap.Uint64("addr", r.Addr), zap.Error(err))
 		}
 	}
 }
 
-// CanServe: local host memory, or local GPU memory registered through
-// dma-buf, and a remote region the peer registered with rdma.
+// CanServe: local host memory, or local GPU memory registered with rdma
+// (through dma-buf or staged), and a remote region the peer registered
+// with rdma.
 func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, rem *transfer.RegionInfo) bool {
 	if loc.Kind == transfer.CUDA {
 		t.mu.Lock()
@@ -440,20 +535,25 @@ func (t *Transport) CanServe(loc transfer.Location, peer *transfer.Descriptor, r
 	return ok
 }
 
-// localKeys returns the lkeys of the registered local region holding
+// localEntry returns the registration of the local region holding
 // [addr, addr+n).
-func (t *Transport) localKeys(r *transfer.Region, addr, n uint64) ([]uint32, error) {
+func (t *Transport) localEntry(r *transfer.Region, addr, n uint64) (*regEntry, error) {
 	t.mu.Lock()
-	mrs := t.regions[r]
+	e := t.regions[r]
 	t.mu.Unlock()
-	if mrs == nil || r == nil {
+	if e == nil || r == nil {
 		return nil, &transfer.RangeError{Addr: addr, Len: n, Err: transfer.ErrOutOfBounds, Detail: "rdma: local memory not registered with rdma"}
 	}
-	keys := make([]uint32, len(mrs))
-	for i, m := range mrs {
+	return e, nil
+}
+
+// lkeys are the entry's lkeys per NIC.
+func (e *regEntry) lkeys() []uint32 {
+	keys := make([]uint32, len(e.mrs))
+	for i, m := range e.mrs {
 		keys[i] = m.LKey()
 	}
-	return keys, nil
+	return keys
 }
 
 // Close fails what is in flight, closes every queue pair and connection,
@@ -484,12 +584,13 @@ func (t *Transport) Close() error {
 	t.pollers.Wait()
 	t.mu.Lock()
 	regs := t.regions
-	t.regions = map[*transfer.Region][]verbs.MR{}
+	t.regions = map[*transfer.Region]*regEntry{}
 	t.mu.Unlock()
-	for _, mrs := range regs {
-		for _, m := range mrs {
+	for _, e := range regs {
+		for _, m := range e.mrs {
 			m.Close()
 		}
+		t.m.regions.WithLabelValues(e.kind).Dec()
 	}
 	t.closeNICs()
 	return nil
@@ -525,7 +626,7 @@ type laneResp struct {
 }
 
 type message struct {
-	Op    string     `json:"op"` // "connect", "keys"
+	Op    string     `json:"op"` // "connect", "keys", "stage", "copy"
 	Lanes []laneReq  `json:"lanes,omitempty"`
 	Addr  uint64     `json:"addr,omitempty"`
 	Err   string     `json:"err,omitempty"`
@@ -534,6 +635,12 @@ type message struct {
 	Len    uint64   `json:"len,omitempty"`
 	Access uint8    `json:"access,omitempty"`
 	RKeys  []uint32 `json:"rkeys,omitempty"`
+	// keys reply: the region is staged (no rkeys: see "stage", "copy").
+	Staged bool `json:"staged,omitempty"`
+	// copy: device copies to or from the connection's staging area, and
+	// the reply's result of each ("" for success).
+	Copies []copyReq `json:"copies,omitempty"`
+	Errs   []string  `json:"errs,omitempty"`
 }
 
 func writeMsg(w io.Writer, m *message) error {
@@ -581,11 +688,13 @@ func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 	t.wg.Add(1)
 	t.mu.Unlock()
 	var qps []verbs.QP
+	st := &servedStaging{t: t}
 	defer func() {
 		conn.Close()
 		for _, q := range qps {
 			q.Close()
 		}
+		st.close() // after the QPs: no HCA touches it now
 		t.mu.Lock()
 		delete(t.served, conn)
 		t.mu.Unlock()
@@ -610,6 +719,16 @@ func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 			resp, qps = t.accept(m)
 		case "keys":
 			resp = t.keysFor(m.Addr)
+		case "stage":
+			resp = st.setup(m.Addr)
+		case "copy":
+			var broken bool
+			if resp, broken = st.copy(m); broken {
+				conn.SetWriteDeadline(time.Now().Add(t.h.Timeout()))
+				writeMsg(conn, resp)
+				lg.Warn("a device copy outlived its bound: ending the control connection", zap.Strings("errs", resp.Errs))
+				return
+			}
 		default:
 			resp = &message{Op: m.Op, Err: fmt.Sprintf("unknown op %q", m.Op)}
 		}
@@ -690,10 +809,10 @@ func parseGID(s string) (verbs.GID, error) {
 func (t *Transport) keysFor(addr uint64) *message {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	for r, mrs := range t.regions {
+	for r, e := range t.regions {
 		if r.Addr == addr {
-			m := &message{Op: "keys", Addr: addr, Len: r.Len, Access: uint8(r.Access)}
-			for _, x := range mrs {
+			m := &message{Op: "keys", Addr: addr, Len: r.Len, Access: uint8(r.Access), Staged: e.staged != nil}
+			for _, x := range e.mrs {
 				m.RKeys = append(m.RKeys, x.RKey())
 			}
 			return m
@@ -710,8 +829,10 @@ type peer struct {
 	ready     chan struct{}
 	err       error // set before ready closes
 	conn      net.Conn
-	connMu    sync.Mutex // one control exchange at a time
+	connMu    sync.Mutex            // one control exchange at a time
+	connErr   atomic.Pointer[error] // an exchange failed: the connection is out of step
 	lanes     []*lane
+	stg       peerStaging
 
 	keysMu sync.Mutex
 	keys   map[uint64]*remoteKeys
@@ -728,6 +849,7 @@ type remoteKeys struct {
 	access  transfer.Access
 	rkeys   []uint32 // per target NIC
 	handle  string   // the region's rdma handle when the keys came: a new one voids them
+	staged  bool     // GPU memory the target stages: no rkeys
 }
 
 // lane is one queue pair to the peer.
@@ -802,6 +924,13 @@ func (p *peer) release() {
 	}
 }
 
+// ref takes another user reference for a holder of one.
+func (p *peer) ref() {
+	p.mu.Lock()
+	p.users++
+	p.mu.Unlock()
+}
+
 // retire stops new batches from using p; it closes once the last batch
 // using it ends.
 func (p *peer) retire() {
@@ -826,6 +955,7 @@ func (p *peer) shut() {
 	for _, l := range p.lanes {
 		l.close(p.m)
 	}
+	p.stg.close() // after the QPs: no HCA touches it now
 }
 
 // peerFor returns a connected peer for d, holding a user reference.
@@ -845,7 +975,7 @@ func (t *Transport) peerFor(ctx context.Context, d *transfer.Descriptor) (*peer,
 		if p != nil {
 			select {
 			case <-p.ready:
-				if p.err != nil || p.anyBroken() {
+				if p.err != nil || p.anyBroken() || p.connErr.Load() != nil {
 					old, p = p, nil
 					delete(t.peers, d.Name)
 				}
@@ -959,9 +1089,24 @@ func (t *Transport) connect(ctx context.Context, p *peer, d *transfer.Descriptor
 
 // exchange sends one control request and reads its reply, within bound
 // and ctx.
-func (p *peer) exchange(ctx context.Context, m *message, bound time.Duration) (*message, error) {
+//
+// A failed exchange leaves the connection out of step (a late reply would
+// answer the next request): every later one fails, and the next batch
+// gets a new peer.
+func (p *peer) exchange(ctx context.Context, m *message, bound time.Duration) (r *message, err error) {
 	p.connMu.Lock()
 	defer p.connMu.Unlock()
+	if e := p.connErr.Load(); e != nil {
+		return nil, fmt.Errorf("control connection failed earlier: %w", *e)
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err // nothing sent: the connection is still in step
+	}
+	defer func() {
+		if err != nil {
+			p.connErr.CompareAndSwap(nil, &err)
+		}
+	}()
 	dl := time.Now().Add(bound)
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
 		dl = d
@@ -972,8 +1117,7 @@ func (p *peer) exchange(ctx context.Context, m *message, bound time.Duration) (*
 	if err := writeMsg(p.conn, m); err != nil {
 		return nil, err
 	}
-	r, err := readMsg(p.conn)
-	if err != nil {
+	if r, err = readMsg(p.conn); err != nil {
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
@@ -997,7 +1141,7 @@ func (t *Transport) keysOf(ctx context.Context, p *peer, reg *transfer.RegionInf
 	if resp.Err != "" {
 		return nil, &transfer.RangeError{Addr: reg.Addr, Len: reg.Len, Err: transfer.ErrOutOfBounds, Detail: fmt.Sprintf("rdma: %s refused: %s", p.name, resp.Err)}
 	}
-	k = &remoteKeys{addr: reg.Addr, n: resp.Len, access: transfer.Access(resp.Access), rkeys: resp.RKeys, handle: string(reg.Handles[Name])}
+	k = &remoteKeys{addr: reg.Addr, n: resp.Len, access: transfer.Access(resp.Access), rkeys: resp.RKeys, handle: string(reg.Handles[Name]), staged: resp.Staged}
 	p.keysMu.Lock()
 	p.keys[reg.Addr] = k
 	p.keysMu.Unlock()
@@ -1033,6 +1177,18 @@ type slice struct {
 	lane   *lane
 	tries  int
 	last   error
+	// done, when set, takes the slice's result instead of its job (a
+	// staged piece's transfer: its pipeline goes on from there). It must
+	// not block.
+	done func(error)
+}
+
+func (s *slice) finish(err error) {
+	if s.done != nil {
+		s.done(err)
+		return
+	}
+	s.j.finish(err)
 }
 
 // batch is one Submit call.
@@ -1042,7 +1198,12 @@ type batch struct {
 	jobs  atomic.Int32
 	done  chan struct{}
 	retry chan *slice
-	used  sync.Map // *lane -> struct{}
+	// staged are the slices of staged pieces, from the batch's pipeline
+	// (unbuffered: one is handed over only to the batch's goroutine);
+	// loopDone closes when that goroutine stops taking them.
+	staged   chan *slice
+	loopDone chan struct{}
+	used     sync.Map // *lane -> struct{}
 	// Requests queued for one post_send list per lane; only the batch's
 	// goroutine touches them.
 	queued  map[*lane][]queuedWR
@@ -1101,41 +1262,50 @@ func (t *Transport) run(ctx context.Context, d *transfer.Descriptor, tasks []*tr
 		return
 	}
 	defer p.release()
-	b := &batch{ctx: ctx, done: make(chan struct{}), retry: make(chan *slice, 64)}
+	b := &batch{ctx: ctx, done: make(chan struct{}), retry: make(chan *slice, 64), staged: make(chan *slice), loopDone: make(chan struct{})}
 	var all []*slice
+	var pieces []*piece
 	var jobs []*job
 	for _, tk := range tasks {
-		ss, err := t.slicesOf(ctx, p, tk)
+		ss, ps, err := t.slicesOf(ctx, p, tk)
 		if err != nil {
 			tk.Done(err)
 			continue
 		}
-		if len(ss) == 0 {
+		if len(ss)+len(ps) == 0 {
 			tk.Done(nil)
 			continue
 		}
 		j := &job{task: tk, b: b}
-		j.left.Store(int32(len(ss)))
+		j.left.Store(int32(len(ss) + len(ps)))
 		for _, s := range ss {
 			s.j = j
 		}
+		for _, pc := range ps {
+			pc.j = j
+		}
 		jobs = append(jobs, j)
 		all = append(all, ss...)
+		pieces = append(pieces, ps...)
 	}
 	if len(jobs) == 0 {
 		return
 	}
 	b.jobs.Store(int32(len(jobs)))
+	defer close(b.loopDone)
+	if len(pieces) > 0 {
+		t.startPipe(b, p, pieces)
+	}
 	rr := 0
 	for i, s := range all {
 		if b.dead.Load() != nil {
 			for _, s := range all[i:] {
-				s.j.finish(*b.dead.Load())
+				s.finish(*b.dead.Load())
 			}
 			break
 		}
 		if err := t.post(b, s, &rr, nil); err != nil {
-			s.j.finish(err)
+			s.finish(err)
 		}
 		t.drainRetries(b, &rr)
 		if ctx.Err() != nil {
@@ -1149,7 +1319,13 @@ func (t *Transport) run(ctx context.Context, d *transfer.Descriptor, tasks []*tr
 			return
 		case s := <-b.retry:
 			if err := t.post(b, s, &rr, s.lane); err != nil {
-				s.j.finish(err)
+				s.finish(err)
+			}
+			t.drainRetries(b, &rr)
+			t.flush(b)
+		case s := <-b.staged:
+			if err := t.post(b, s, &rr, nil); err != nil {
+				s.finish(err)
 			}
 			t.drainRetries(b, &rr)
 			t.flush(b)
@@ -1171,7 +1347,11 @@ func (t *Transport) drainRetries(b *batch, rr *int) {
 		select {
 		case s := <-b.retry:
 			if err := t.post(b, s, rr, s.lane); err != nil {
-				s.j.finish(err)
+				s.finish(err)
+			}
+		case s := <-b.staged:
+			if err := t.post(b, s, rr, nil); err != nil {
+				s.finish(err)
 			}
 		default:
 			return
@@ -1200,7 +1380,9 @@ func (t *Transport) reap(b *batch) {
 			case <-b.done:
 				return true
 			case s := <-b.retry:
-				s.j.finish(*b.dead.Load())
+				s.finish(*b.dead.Load())
+			case s := <-b.staged:
+				s.finish(*b.dead.Load())
 			case <-tm.C:
 				return false
 			}
@@ -1221,14 +1403,16 @@ func (t *Transport) reap(b *batch) {
 		l := k.(*lane)
 		l.close(t.m)
 		for _, s := range l.nic.take(l) {
-			s.j.finish(*b.dead.Load())
+			s.finish(*b.dead.Load())
 		}
 		return true
 	})
 	for {
 		select {
 		case s := <-b.retry:
-			s.j.finish(*b.dead.Load())
+			s.finish(*b.dead.Load())
+		case s := <-b.staged:
+			s.finish(*b.dead.Load())
 		default:
 			return
 		}
@@ -1251,22 +1435,23 @@ func (n *nic) take(l *lane) []*slice {
 }
 
 // slicesOf checks a task's local and remote ranges against the
-// registrations and cuts it into slices.
-func (t *Transport) slicesOf(ctx context.Context, p *peer, tk *transfer.Task) ([]*slice, error) {
+// registrations and cuts it into slices, or, when either side is staged GPU
+// memory, into pieces for the batch's pipeline.
+func (t *Transport) slicesOf(ctx context.Context, p *peer, tk *transfer.Task) ([]*slice, []*piece, error) {
 	keys, err := t.keysOf(ctx, p, tk.Region)
 	if err != nil {
 		var re *transfer.RangeError
 		if errors.As(err, &re) {
-			return nil, &transfer.RangeError{Addr: tk.Remote, Len: tk.Len, Err: re.Err, Detail: re.Detail}
+			return nil, nil, &transfer.RangeError{Addr: tk.Remote, Len: tk.Len, Err: re.Err, Detail: re.Detail}
 		}
-		return nil, err
+		return nil, nil, err
 	}
-	if len(keys.rkeys) == 0 {
-		return nil, fmt.Errorf("rdma: %s sent no keys for [%#x, +%d)", p.name, keys.addr, keys.n)
+	if len(keys.rkeys) == 0 && !keys.staged {
+		return nil, nil, fmt.Errorf("rdma: %s sent no keys for [%#x, +%d)", p.name, keys.addr, keys.n)
 	}
-	lkeys, err := t.localKeys(tk.LocalRegion, tk.Local, tk.Bytes())
+	le, err := t.localEntry(tk.LocalRegion, tk.Local, tk.Bytes())
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	op := verbs.OpWrite
 	need := transfer.AccessWrite
@@ -1274,11 +1459,21 @@ func (t *Transport) slicesOf(ctx context.Context, p *peer, tk *transfer.Task) ([
 		op, need = verbs.OpRead, transfer.AccessRead
 	}
 	if keys.access&need == 0 {
-		return nil, &transfer.RangeError{Addr: tk.Remote, Len: tk.Len, Err: transfer.ErrAccessDenied, Detail: fmt.Sprintf("rdma: %s grants %v", p.name, keys.access)}
+		return nil, nil, &transfer.RangeError{Addr: tk.Remote, Len: tk.Len, Err: transfer.ErrAccessDenied, Detail: fmt.Sprintf("rdma: %s grants %v", p.name, keys.access)}
 	}
 	pref := t.preferred(tk.LocalRegion)
 	lr := tk.LocalRegion
+	staged := le.staged != nil || keys.staged
+	var lkeys []uint32
+	if le.staged == nil {
+		lkeys = le.lkeys()
+	}
 	var out []*slice
+	var pcs []*piece
+	cut := uint64(t.cfg.SliceSize)
+	if staged {
+		cut = uint64(t.pieceSize())
+	}
 	add := func(local, remote, n uint64) error {
 		if remote < keys.addr || remote+n > keys.addr+keys.n || remote+n < remote {
 			return &transfer.RangeError{Addr: remote, Len: n, Err: transfer.ErrOutOfBounds, Detail: fmt.Sprintf("rdma: outside %s's region [%#x, +%d)", p.name, keys.addr, keys.n)}
@@ -1287,8 +1482,12 @@ func (t *Transport) slicesOf(ctx context.Context, p *peer, tk *transfer.Task) ([
 			return &transfer.RangeError{Addr: local, Len: n, Err: transfer.ErrOutOfBounds, Detail: "rdma: outside the local region"}
 		}
 		for n > 0 {
-			c := min(n, uint64(t.cfg.SliceSize))
-			out = append(out, &slice{p: p, op: op, local: local, remote: remote, n: uint32(c), keys: keys, lkeys: lkeys, pref: pref})
+			c := min(n, cut)
+			if staged {
+				pcs = append(pcs, &piece{op: op, local: local, remote: remote, n: int(c), lr: lr, ldev: le.staged, keys: keys, lkeys: lkeys, pref: pref})
+			} else {
+				out = append(out, &slice{p: p, op: op, local: local, remote: remote, n: uint32(c), keys: keys, lkeys: lkeys, pref: pref})
+			}
 			local, remote, n = local+c, remote+c, n-c
 		}
 		return nil
@@ -1296,13 +1495,13 @@ func (t *Transport) slicesOf(ctx context.Context, p *peer, tk *transfer.Task) ([
 	if tk.List != nil {
 		for _, pg := range tk.List.Pages {
 			if err := add(tk.Local+pg.Local, tk.Remote+pg.Remote, tk.List.PageLen); err != nil {
-				return nil, err
+				return nil, nil, err
 			}
 		}
 	} else if err := add(tk.Local, tk.Remote, tk.Len); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return out, nil
+	return out, pcs, nil
 }
 
 // preferred marks the NICs configured for the local region's memory (nil:
@@ -1563,7 +1762,7 @@ func (t *Transport) complete(s *slice, wc verbs.WC) {
 	l := s.lane
 	if wc.Status == verbs.StatusSuccess {
 		t.m.bytes.WithLabelValues(l.nic.name, opLabel(s.op)).Add(float64(s.n))
-		s.j.finish(nil)
+		s.finish(nil)
 		return
 	}
 	t.m.errors.WithLabelValues(l.nic.name, statusLabel(wc.Status)).Inc()
@@ -1580,10 +1779,10 @@ func (t *Transport) complete(s *slice, wc verbs.WC) {
 		t.retry(s)
 	case verbs.StatusRemAccess, verbs.StatusRemInvReq:
 		l.p.dropKeys(s.keys.addr)
-		s.j.finish(&transfer.RangeError{Addr: s.remote, Len: uint64(s.n), Err: transfer.ErrOutOfBounds,
+		s.finish(&transfer.RangeError{Addr: s.remote, Len: uint64(s.n), Err: transfer.ErrOutOfBounds,
 			Detail: fmt.Sprintf("rdma: %s's HCA refused the %v (%v): the region is no longer registered there", l.p.name, s.op, wc.Status)})
 	default:
-		s.j.finish(werr)
+		s.finish(werr)
 	}
 }
 
@@ -1592,7 +1791,7 @@ func (t *Transport) retry(s *slice) {
 	t.m.retries.WithLabelValues(s.lane.nic.name).Inc()
 	b := s.j.b
 	if e := b.dead.Load(); e != nil {
-		s.j.finish(*e)
+		s.finish(*e)
 		return
 	}
 	select {
@@ -1606,7 +1805,7 @@ func (t *Transport) retry(s *slice) {
 			select {
 			case b.retry <- s:
 			case <-b.ctx.Done():
-				s.j.finish(fmt.Errorf("rdma: %w", b.ctx.Err()))
+				s.finish(fmt.Errorf("rdma: %w", b.ctx.Err()))
 			}
 		}()
 	}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/staging"
 )
 
 // Staging directions: each has its own ring, so the side of a lane that
@@ -28,7 +29,7 @@ type stager struct {
 	chunk, slots int
 	// budget, when set, is shared by the lanes a transport serves: their
 	// staging together stays within it.
-	budget *budget
+	budget *staging.Budget
 
 	once  sync.Once
 	err   error
@@ -43,89 +44,52 @@ func newStager(chunk, slots int) *stager { return &stager{chunk: chunk, slots: s
 
 // slot is a piece's span of a ring.
 type slot struct {
-	b          []byte
-	start, end uint64 // ring positions, the padding skipped before b included
-	free       bool
+	b  []byte
+	sp *staging.Span
 }
 
-// ring is a byte ring: allocations at the head, released spans retire from
-// the tail in allocation order (one released early waits for those before).
+// ring is one direction's staging bytes and the ring handing out spans of
+// them.
 type ring struct {
-	mu         sync.Mutex
-	buf        []byte
-	head, tail uint64
-	live       []*slot       // allocated, oldest first
-	freed      chan struct{} // a span was released (capacity 1)
+	buf []byte
+	r   *staging.Ring
 }
 
 func (r *ring) tryAlloc(n int) (*slot, bool) {
-	size := uint64(len(r.buf))
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if len(r.live) == 0 {
-		r.head, r.tail = 0, 0 // empty: start over, no wrap needed
-	}
-	pos := r.head % size
-	pad := uint64(0)
-	if pos+uint64(n) > size {
-		pad = size - pos // wrap: the tail end is skipped
-	}
-	if r.head+pad+uint64(n)-r.tail > size {
+	sp, ok := r.r.TryAlloc(n)
+	if !ok {
 		return nil, false
 	}
-	o := (pos + pad) % size
-	s := &slot{b: r.buf[o : o+uint64(n) : o+uint64(n)], start: r.head, end: r.head + pad + uint64(n)}
-	r.head = s.end
-	r.live = append(r.live, s)
-	return s, true
+	return &slot{b: sp.Of(r.buf), sp: sp}, true
 }
 
-func (r *ring) release(s *slot) {
-	r.mu.Lock()
-	s.free = true
-	k := 0
-	for k < len(r.live) && r.live[k].free {
-		r.tail = r.live[k].end
-		k++
-	}
-	if k > 0 {
-		n := copy(r.live, r.live[k:])
-		clear(r.live[n:])
-		r.live = r.live[:n]
-	}
-	r.mu.Unlock()
-	select {
-	case r.freed <- struct{}{}:
-	default:
-	}
-}
+func (r *ring) release(s *slot) { r.r.Release(s.sp) }
 
 // init allocates the staging memory from dev the first time; later calls
 // return the first call's error.
 func (s *stager) init(dev transfer.DeviceMemory) error {
 	s.once.Do(func() {
 		per := s.slots * s.chunk
-		if err := s.budget.take(int64(2 * per)); err != nil {
-			s.err = err
+		if !s.budget.Take(int64(2 * per)) {
+			s.err = fmt.Errorf("%w: tcp: the staging of served lanes is at its limit of %d bytes (Config.MaxServedStaging)", transfer.ErrDeviceCopy, s.budget.Max)
 			return
 		}
 		m, err := dev.AllocStaging(2 * per)
 		if err != nil {
-			s.budget.give(int64(2 * per))
+			s.budget.Give(int64(2 * per))
 			s.err = fmt.Errorf("tcp: %d bytes of staging: %w", 2*per, err)
 			return
 		}
 		if b := m.Bytes(); len(b) < 2*per {
 			m.Close()
-			s.budget.give(int64(2 * per))
+			s.budget.Give(int64(2 * per))
 			s.err = fmt.Errorf("tcp: staging of %d bytes, asked for %d", len(b), 2*per)
 			return
 		}
 		s.mem = m
 		b := m.Bytes()
 		for d := range s.rings {
-			s.rings[d].buf = b[d*per : (d+1)*per : (d+1)*per]
-			s.rings[d].freed = make(chan struct{}, 1)
+			s.rings[d] = ring{buf: b[d*per : (d+1)*per : (d+1)*per], r: staging.NewRing(uint64(per))}
 		}
 	})
 	return s.err
@@ -152,7 +116,7 @@ func (s *stager) get(d, n int, stop <-chan struct{}, tmo time.Duration) (*slot, 
 // earlier release was not yet seen), or fails on stop or expiry.
 func (s *stager) wait(d int, stop <-chan struct{}, expiry <-chan time.Time) error {
 	select {
-	case <-s.rings[d].freed:
+	case <-s.rings[d].r.Freed():
 		return nil
 	case <-stop:
 		return errStopped
@@ -198,31 +162,8 @@ func (s *stager) close() error {
 	if s.mem == nil || s.leaked.Load() {
 		return nil
 	}
-	s.budget.give(int64(2 * s.slots * s.chunk))
+	s.budget.Give(int64(2 * s.slots * s.chunk))
 	return s.mem.Close()
-}
-
-// budget bounds the staging bytes of the lanes a transport serves.
-type budget struct {
-	max  int64
-	used atomic.Int64
-}
-
-func (b *budget) take(n int64) error {
-	if b == nil {
-		return nil
-	}
-	if u := b.used.Add(n); u > b.max {
-		b.used.Add(-n)
-		return fmt.Errorf("%w: tcp: the staging of served lanes is at its limit of %d bytes (Config.MaxServedStaging)", transfer.ErrDeviceCopy, b.max)
-	}
-	return nil
-}
-
-func (b *budget) give(n int64) {
-	if b != nil {
-		b.used.Add(-n)
-	}
 }
 
 // deviceOf returns the region's device memory, if it must be staged. A GPU

@@ -31,6 +31,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/internal/staging"
 )
 
 // Name is the transport's name in descriptors, logs and metrics, and the
@@ -119,7 +120,7 @@ type Transport struct {
 	cfgErr error
 	h      transfer.Host
 	lg     *zap.Logger
-	served *budget // staging of served lanes
+	served *staging.Budget // staging of served lanes
 
 	mu     sync.Mutex
 	peers  map[string]*peer // by segment name
@@ -138,7 +139,7 @@ var (
 // New returns a tcp transport. An invalid cfg makes Start fail.
 func New(cfg Config) *Transport {
 	t := &Transport{cfgErr: cfg.Validate(), cfg: cfg.withDefaults(), peers: map[string]*peer{}}
-	t.served = &budget{max: t.cfg.MaxServedStaging}
+	t.served = &staging.Budget{Max: t.cfg.MaxServedStaging}
 	t.ctx, t.cancel = context.WithCancel(context.Background())
 	return t
 }

@@ -9,7 +9,8 @@
 // RTS (a QP in ERR flushes what is posted), the send queue holds at most its
 // depth, a full CQ is an overrun that moves its QPs to ERR, and a failed work
 // request completes in error, moves its QP to ERR and flushes the rest.
-// Faults are injected per device (FailNth, ErrorAfter, SetDown).
+// Faults are injected per device (FailNth, ErrorAfter, SetDown, Stall,
+// OverrunCQs, RefuseDmabuf).
 //
 // Work requests execute when posted (a real HCA completes them later; the
 // order of completions is the same).
@@ -107,7 +108,16 @@ type HCA struct {
 	failWith verbs.Status
 	errAfter int // WRs to let through before the posting QP goes to ERR (-1: none)
 	stall    bool
+	noDmabuf bool
 	posted   int
+}
+
+// RefuseDmabuf makes reg_dmabuf_mr fail with EOPNOTSUPP (a NIC or driver
+// without dma-buf support) from now on, or work again.
+func (d *HCA) RefuseDmabuf(on bool) {
+	d.mu.Lock()
+	d.noDmabuf = on
+	d.mu.Unlock()
 }
 
 // Stall holds every request posted from now on without executing it (a
@@ -284,6 +294,12 @@ func (p *pd) RegMR(addr uintptr, n uint64, a verbs.Access) (verbs.MR, error) {
 func (p *pd) RegDmabufMR(off, n, iova uint64, fd int, a verbs.Access) (verbs.MR, error) {
 	if n == 0 || iova == 0 || iova+n < iova {
 		return nil, fmt.Errorf("fake %s: reg_dmabuf_mr [%#x, +%d): bad range", p.d.name, iova, n)
+	}
+	p.d.mu.Lock()
+	refuse := p.d.noDmabuf
+	p.d.mu.Unlock()
+	if refuse {
+		return nil, fmt.Errorf("fake %s: reg_dmabuf_mr: %w", p.d.name, unix.EOPNOTSUPP)
 	}
 	pg := uint64(unix.Getpagesize())
 	start := off &^ (pg - 1)

@@ -166,3 +166,38 @@ func TestFakeEnforces(t *testing.T) {
 		t.Fatal("destroyed a CQ in use")
 	}
 }
+
+// RefuseDmabuf: reg_dmabuf_mr fails with EOPNOTSUPP while it is set, and
+// works (mapping the fd at the iova) once it is cleared.
+func TestRefuseDmabuf(t *testing.T) {
+	h := fake.NewFabric().NewHost("mlx5_0")
+	d, err := h.Open("mlx5_0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	pd, _ := d.AllocPD()
+	fd, err := unix.MemfdCreate("dmabuf", unix.MFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, 1<<16); err != nil {
+		t.Fatal(err)
+	}
+	h.HCA("mlx5_0").RefuseDmabuf(true)
+	if _, err := pd.RegDmabufMR(0, 1<<16, 0x10_0000_0000, fd, verbs.AccessLocalWrite); !errors.Is(err, unix.EOPNOTSUPP) {
+		t.Fatalf("refused reg_dmabuf_mr: %v", err)
+	}
+	if _, mrs, _ := h.HCA("mlx5_0").Live(); mrs != 0 {
+		t.Fatalf("%d MRs after a refused registration", mrs)
+	}
+	h.HCA("mlx5_0").RefuseDmabuf(false)
+	mr, err := pd.RegDmabufMR(0, 1<<16, 0x10_0000_0000, fd, verbs.AccessLocalWrite)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mr.Close(); err != nil {
+		t.Fatal(err)
+	}
+}
