@@ -5,7 +5,9 @@
 #   tests   internal/compute/cuda: TestGraphMoE (MoE decode captured, replay
 #           == padded eager, one pass == chunks), TestConformance,
 #           TestGolden, TestGraphEqualsEager, TestFusedDecode, TestKernelsV2
-#   extra   EXTRA_TESTS="dir bin regexp" (another bundled test binary)
+#   extra   EXTRA_TESTS="dir bin regexp; ..." (other bundled test binaries)
+#   vram    scripts/gpu/tcp-vram.sh: bench transfer --use-vram over tcp against
+#           raw TCP
 #   graph   TestBenchGraph8B at qwen3-30b-a3b (decode steps, graphs; VARIANTS
 #           picks its kernel variants, default new)
 #   prefill TestBench8B at qwen3-30b-a3b (prefill TFLOP/s, eager decode)
@@ -14,6 +16,9 @@
 #           libibverbs and no HCA: the start-up error
 #   profile ncu over TestProfile8B at qwen3-30b-a3b: kernel time by kernel
 #           of one eager decode step at batch 1 and at batch 32
+#   peak    host memory while loading a bf16 HF directory (qwen3-30b-a3b-8l,
+#           convert --random) onto the GPU: TestLoadPeakHF
+#   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression)
 # TESTS overrides the tests stage's -test.run pattern.
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
@@ -31,7 +36,7 @@ for f in gpu-bundle/bin/*.xz; do
 	b=$(basename "$f" .xz)
 	xz -dc "$f" >"$w/$b" && chmod +x "$w/$b"
 done
-want() { case " ${STAGES:-tests extra profile graph prefill pd rdma} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${STAGES:-tests extra vram profile graph prefill pd rdma peak dense} " in *" $1 "*) return 0 ;; esac; return 1; }
 t() { # name dir bin timeout run
 	(cd "$root/$2" && timeout "$4" "$w/$3" -test.v -test.run "$5") >"$O/$1.log" 2>&1
 	log "$1 rc $?: $(grep -cE '^\s*--- PASS' "$O/$1.log") pass, $(grep -cE '^\s*--- FAIL' "$O/$1.log") fail, $(grep -cE '^\s*--- SKIP' "$O/$1.log") skip"
@@ -47,8 +52,18 @@ if want rdma && [ -x "$w/mooncake-go" ]; then
 	ls /dev/infiniband /sys/class/infiniband 2>&1 | head -3 | tee -a "$O/run.log"
 fi
 if want extra && [ -n "${EXTRA_TESTS:-}" ]; then
-	set -- $EXTRA_TESTS
-	t extra "$1" "$2" 60 "$3"
+	i=0
+	IFS=';' read -ra specs <<<"$EXTRA_TESTS"
+	for spec in "${specs[@]}"; do
+		set -- $spec
+		i=$((i + 1))
+		t "extra$i-$(basename "$1")" "$1" "$2" 90 "$3"
+	done
+fi
+if want vram && left 130 vram; then
+	DUR=3s timeout 120 bash scripts/gpu/tcp-vram.sh >"$O/vram.log" 2>&1
+	log "vram rc $?"
+	tail -12 "$O/vram.log" | tee -a "$O/run.log"
 fi
 if want profile && left 120 profile; then
 	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -97,6 +112,22 @@ if want prefill && left 100 prefill; then
 		BENCH_OUT=$O/bench-moe.txt timeout 100 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBench8B$') >"$O/bench-moe.log" 2>&1
 	log "prefill qwen3-30b-a3b rc $?"
 	grep -hE "loaded|HBM|prefill|decode batch|FAIL|panic" "$O/bench-moe.log" | cut -c1-260 | tee -a "$O/run.log"
+fi
+if want peak && left 150 peak; then
+	d=/tmp/peak-hf
+	timeout 100 "$w/mooncake-go" convert --random --config qwen3-30b-a3b-8l --output "$d" >"$O/convert-peak.log" 2>&1
+	log "convert qwen3-30b-a3b-8l rc $? ($(du -sh "$d" 2>/dev/null | cut -f1))"
+	(cd "$root/internal/compute/cuda" && MOONCAKE_LOAD_PEAK=1 MOONCAKE_HF_DIR=$d timeout 90 "$w/internal.compute.cuda.test" -test.v \
+		-test.run 'TestLoadPeakHF$') >"$O/peak.log" 2>&1
+	log "load peak rc $?"
+	grep -hE "host peak|FAIL|panic" "$O/peak.log" | cut -c1-400 | tee -a "$O/run.log"
+	rm -rf "$d"
+fi
+if want dense && left 80 dense; then
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_VARIANTS=new BENCH_OUT=$O/graph-8b.txt timeout 80 \
+		"$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-8b.log" 2>&1
+	log "graph llama3-8b rc $?"
+	cat "$O/graph-8b.txt" 2>/dev/null | tee -a "$O/run.log"
 fi
 (cd "$O" && find . -mindepth 1 -maxdepth 1 ! -name run.log >"$w/list" && tar cJf "$w/logs.tar.xz" --remove-files -T "$w/list" && mv "$w/logs.tar.xz" .)
 log done

@@ -117,7 +117,7 @@ func TestHFvsTorch(t *testing.T) {
 	tUp := time.Since(t1)
 	m.Close()
 	runtime.GC()
-	t.Logf("model.LoadHF (bf16 -> f32 on the host): %v; upload to the GPU (f32 -> bf16): %v", tLoad, tUp)
+	t.Logf("model.LoadHF (the files mapped): %v; New (bf16 uploaded from the mapping): %v", tLoad, tUp)
 	V := cfg.Vocab
 	if ref.Vocab != V || len(lb) != 4*V*len(ref.Prompts) {
 		t.Fatalf("reference vocab %d, %d bytes of logits; model vocab %d", ref.Vocab, len(lb), V)
