@@ -288,9 +288,12 @@ extern "C" __global__ void rope_kv(T *q, T *kc, T *vc, const float *qkv, const f
 // values over keys [split*ATT_SPLIT, min(+ATT_SPLIT, pos+1)) with its max m
 // and sum l, into part_o[z][head][split][d] and part_ml[z][head][split][2].
 // Queries: q row qrow[qi], position pos[qi], page table pages[ptoff[qi]..].
+// A sliding window (window > 0) keeps the keys [pos+1-window, pos]: splits
+// wholly before it write nothing (attn_combine, given the same window,
+// skips them).
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split(float *part_o, float *part_ml, const T *q,
 	const T *kc, const T *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size,
-	int nsplit, int nheads, int nkv, int qi0, float div) {
+	int nsplit, int nheads, int nkv, int qi0, float div, int window) {
 	__shared__ float qs[GQA_GROUP][HEAD_DIM];
 	__shared__ float sc[GQA_GROUP][SC_LEN];
 	__shared__ float red[32];
@@ -298,7 +301,10 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split(float *part
 	int npos = pos[qi] + 1;
 	int k0 = split * ATT_SPLIT;
 	if (k0 >= npos) return;
-	int k1 = min(k0 + ATT_SPLIT, npos), len = k1 - k0;
+	int k1 = min(k0 + ATT_SPLIT, npos);
+	if (window > 0) k0 = max(k0, npos - window);
+	if (k0 >= k1) return;
+	int len = k1 - k0;
 	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
 	const int *pt = pages + ptoff[qi];
 	const T *qb = q + (long long)qrow[qi] * QD + (long long)g * GQA_GROUP * HEAD_DIM;
@@ -384,22 +390,24 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split(float *part
 	}
 }
 
-// attn_combine merges the splits of attn_split into out[qrow[qi]][head].
-// grid (heads, queries of this launch), block HEAD_DIM (or fewer) threads.
+// attn_combine merges the splits of attn_split into out[qrow[qi]][head]
+// (those the sliding window reaches when window > 0). grid (heads, queries
+// of this launch), block HEAD_DIM (or fewer) threads.
 extern "C" __global__ void attn_combine(T *out, const float *part_o, const float *part_ml, const int *qrow,
-	const int *pos, int nsplit, int nheads, int qi0) {
+	const int *pos, int nsplit, int nheads, int qi0, int window) {
 	pdl_trigger();
 	int h = blockIdx.x, z = blockIdx.y, qi = qi0 + z;
 	int ns = (pos[qi] + ATT_SPLIT) / ATT_SPLIT;
+	int s0 = window > 0 ? max(0, pos[qi] + 1 - window) / ATT_SPLIT : 0;
 	long long base = ((long long)z * nheads + h) * nsplit;
 	float M = NEG_INF;
-	for (int s = 0; s < ns; s++) M = fmaxf(M, part_ml[(base + s) * 2]);
+	for (int s = s0; s < ns; s++) M = fmaxf(M, part_ml[(base + s) * 2]);
 	float L = 0.f;
-	for (int s = 0; s < ns; s++) L += part_ml[(base + s) * 2 + 1] * expf(part_ml[(base + s) * 2] - M);
+	for (int s = s0; s < ns; s++) L += part_ml[(base + s) * 2 + 1] * expf(part_ml[(base + s) * 2] - M);
 	T *o = out + (long long)qrow[qi] * nheads * HEAD_DIM + h * HEAD_DIM;
 	for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
 		float a = 0.f;
-		for (int s = 0; s < ns; s++) a += part_o[(base + s) * HEAD_DIM + d] * expf(part_ml[(base + s) * 2] - M);
+		for (int s = s0; s < ns; s++) a += part_o[(base + s) * HEAD_DIM + d] * expf(part_ml[(base + s) * 2] - M);
 		st(o, d, a / L);
 	}
 }

@@ -22,13 +22,11 @@ import (
 var ErrUnsupported = errors.New("cuda backend: not supported")
 
 // Supports says whether the backend runs models of c: every registered
-// block but sliding-window attention.
+// block (sliding-window attention through the split-K kernels only).
 func Supports(c model.Config) error {
 	switch {
 	case c.Spec == nil:
 		return fmt.Errorf("%w: no architecture", ErrUnsupported)
-	case c.SlidingWindow > 0:
-		return fmt.Errorf("%w: %s with sliding-window attention (sliding_window %d)", ErrUnsupported, c.ArchName(), c.SlidingWindow)
 	case c.Spec.MLP.MoE && (c.Experts > moeMaxExperts || c.TopK > 32):
 		return fmt.Errorf("%w: %s with %d experts, top %d (the routing kernels take at most %d experts, top 32)",
 			ErrUnsupported, c.ArchName(), c.Experts, c.TopK, moeMaxExperts)
@@ -251,6 +249,9 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			cu.D1(128), 0, d.att, d.q, kc, vc, lp.meta(p.pStart), lp.meta(p.pLen), lp.meta(p.pPos0), lp.meta(p.pPtoff),
 			lp.meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads), lp.scaleLog2)
 	}
+	// A sliding window runs on attn_split and attn_combine only (windowed
+	// backends load no other attention kernel).
+	win := int32(c.Window(li))
 	qchunk := p.qchunk
 	for q0 := 0; q0 < p.ng; q0 += qchunk {
 		cnt := uint32(min(qchunk, p.ng-q0))
@@ -268,10 +269,10 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		case f.attnDecode != nil:
 			r.launch(f.attnDecode, grid, cu.D1(128), 0, append(args, lp.div)...)
 		default:
-			r.launch(f.attnSplit, grid, cu.D1(uint32(f.attThreads)), 0, append(args, lp.div)...)
+			r.launch(f.attnSplit, grid, cu.D1(uint32(f.attThreads)), 0, append(args, lp.div, win)...)
 		}
 		r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
-			d.att, d.part, lp.partML, lp.meta(p.gRow), lp.meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0))
+			d.att, d.part, lp.partML, lp.meta(p.gRow), lp.meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0), win)
 	}
 	r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
 	return nil

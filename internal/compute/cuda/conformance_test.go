@@ -35,8 +35,7 @@ func unsupported(c model.Config) string {
 }
 
 // TestConformance runs the conformance suite over the CUDA backend for
-// every registered architecture it supports (tiny-mistral and
-// tiny-mixtral have sliding windows: skipped), against the CPU backend on
+// every registered architecture it supports, against the CPU backend on
 // the float32 widening of the same weights. Both runs use the
 // batch-invariant GEMMs and the split-K attention for prefill too, so a
 // sequence's logits are bit for bit the same alone, batched, chunked and

@@ -642,10 +642,13 @@ func (k *kbench) attention() {
 		}
 		combine := func(out cu.DevicePtr) {
 			k.launch(comb, cu.Dim3{X: uint32(c.Heads), Y: uint32(cs.bs), Z: 1}, cu.D1(uint32(f.combineThreads)), 0, out, part,
-				partML, qrow, pos, int32(nsplit), int32(c.Heads), int32(0))
+				partML, qrow, pos, int32(nsplit), int32(c.Heads), int32(0), int32(0))
 		}
 		kern := []func(int){
-			func(int) { k.launch(split, grid, cu.D1(uint32(f.attThreads)), 0, args(div)...); combine(att[0]) },
+			func(int) {
+				k.launch(split, grid, cu.D1(uint32(f.attThreads)), 0, args(div, int32(0))...)
+				combine(att[0])
+			},
 			func(int) { k.launch(dec1, grid, cu.D1(128), 0, args(div)...); combine(att[1]) },
 			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, null, null)...); combine(att[2]) },
 			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, att[3], f.attnCnt)...) },

@@ -291,6 +291,13 @@ func (b *Backend) loadKernels() error {
 			}
 		}
 	}
+	if w := b.cfg.SlidingWindow; w > 0 {
+		// Only attn_split and attn_combine take a window.
+		f.attnFlash, f.attnFlash2, f.attnDecode, f.attnDecode2, f.attnCnt = nil, nil, nil, nil, 0
+		b.flash = false
+		b.lg.Info("sliding-window attention on the split-K kernels (no flash prefill, no attn_decode2)",
+			zap.Int("sliding_window", w), zap.Int("from_layer", b.cfg.WindowFrom))
+	}
 	return nil
 }
 
