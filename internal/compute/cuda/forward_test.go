@@ -68,9 +68,10 @@ func TestVsCPU(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		// No sliding windows on this backend: tiny-mixtral runs its
-		// experts with the window off in both backends (as Mixtral 8x7B's
-		// config.json has it).
+		// tiny-mixtral with the window off in both backends (as Mixtral
+		// 8x7B's config.json has it), so it runs the flash and decode2
+		// kernels; windows run in TestConformance and
+		// TestSlidingWindowDecode.
 		m.Config.SlidingWindow = 0
 		r := rand.New(rand.NewPCG(1, 2))
 		prompts := [][]int32{randPrompt(r, 1, m.Config.Vocab), randPrompt(r, 9, m.Config.Vocab),
