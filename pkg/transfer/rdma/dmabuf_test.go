@@ -106,12 +106,7 @@ func TestDMABufGPUMemory(t *testing.T) {
 		if c.op == transfer.Read {
 			src, dst = c.rbuf, c.lbuf
 		}
-		for i := range src {
-			src[i] = byte(rng.Uint32())
-		}
-		for i := range dst {
-			dst[i] = transfertest.Poison
-		}
+		fillAndPoison(rng, src, dst)
 		want := bytes.Repeat([]byte{transfertest.Poison}, size)
 		var reqs []transfer.Request
 		for k := 0; k < 32; k++ {
@@ -148,5 +143,15 @@ func TestGPUMemoryWithoutDMABuf(t *testing.T) {
 	err = n.E.RegisterMemory(context.Background(), uintptr(g.base), g.size, transfer.Location{Kind: transfer.CUDA, Index: 1}, transfer.AccessReadWrite)
 	if !errors.Is(err, transfer.ErrCannotRegister) || !strings.Contains(err.Error(), "rdma: cuda:1 memory: offers no dma-buf") {
 		t.Fatalf("GPU memory given as no memory: %v", err)
+	}
+}
+
+// fillAndPoison fills src with random bytes and dst with the poison byte.
+func fillAndPoison(rng *rand.Rand, src, dst []byte) {
+	for i := range src {
+		src[i] = byte(rng.Uint32())
+	}
+	for i := range dst {
+		dst[i] = transfertest.Poison
 	}
 }

@@ -167,12 +167,7 @@ func TestDMABufFallbackToStaging(t *testing.T) {
 			if op == transfer.Read {
 				src, dst = bg.view, ag.view
 			}
-			for i := range src {
-				src[i] = byte(rng.Uint32())
-			}
-			for i := range dst {
-				dst[i] = transfertest.Poison
-			}
+			fillAndPoison(rng, src, dst)
 			want := bytes.Repeat([]byte{transfertest.Poison}, size)
 			var reqs []transfer.Request
 			const blocks = 24
