@@ -142,10 +142,9 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*Stream) erro
 	return &poolCompletion{c: c, ev: ev, what: what, n: n, dev: dev, gpu: int(p.ctx.dev)}, nil
 }
 
-// poolCompletion polls its event, needing no goroutine: a copy of a
-// staging chunk takes a few to tens of microseconds while a Go timer
-// sleeps 50 µs or more, so Wait yields between polls for its first
-// waitSpin, then backs off (at most 50 µs between polls).
+// poolCompletion polls its event: a copy of a staging chunk takes tens of
+// microseconds, so a short backoff (at most 50 µs between polls) costs
+// little and needs no goroutine.
 type poolCompletion struct {
 	c    *poolCopies
 	ev   *Event // nil once the copy ended
@@ -156,14 +155,10 @@ type poolCompletion struct {
 	gpu  int
 }
 
-// waitSpin is how long a Wait polls without sleeping.
-const waitSpin = 50 * time.Microsecond
-
 func (pc *poolCompletion) Wait(ctx context.Context) error {
 	if pc.ev == nil {
 		return pc.res
 	}
-	start := time.Now()
 	sleep := time.Duration(0)
 	var t *time.Timer
 	defer func() {
@@ -190,11 +185,10 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 			return err
 		}
 		switch {
-		case time.Since(start) < waitSpin:
-			runtime.Gosched()
-			continue
 		case sleep == 0:
 			sleep = 2 * time.Microsecond
+			runtime.Gosched()
+			continue
 		case sleep < 50*time.Microsecond:
 			sleep *= 2
 		}
