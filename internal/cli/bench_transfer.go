@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
+	"runtime/pprof"
 	"strings"
 	"time"
 
@@ -46,7 +48,7 @@ func (secondsValue) Type() string { return "duration" }
 func newBenchTransferCmd(g *globals) *cobra.Command {
 	cfg := bench.DefaultTransferConfig()
 	var tf transferFlags
-	var deviceName, nicMatrix, backend string
+	var deviceName, nicMatrix, backend, cpuProfile string
 	var autoDiscovery, initMem bool
 	cmd := &cobra.Command{
 		Use:   "transfer",
@@ -89,6 +91,13 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 				return err
 			}
 			tf.secret = secret
+			if cpuProfile != "" {
+				stop, err := startCPUProfile(cpuProfile)
+				if err != nil {
+					return err
+				}
+				defer stop()
+			}
 			var closers closers
 			defer func() { closers.Close() }()
 			deps := bench.Deps{
@@ -132,9 +141,27 @@ func newBenchTransferCmd(g *globals) *cobra.Command {
 	f.BoolVar(&autoDiscovery, "auto-discovery", false, "Mooncake's topology discovery: no effect (transports are chosen per request)")
 	f.StringVar(&backend, "backend", "classic", "Mooncake's engine backend: classic (there is one)")
 	f.BoolVar(&initMem, "init-mem", true, "Mooncake's buffer initialization: buffers are always filled")
+	f.StringVar(&cpuProfile, "cpu-profile", "", "write a Go CPU profile of the run to this file (go tool pprof)")
 	for _, n := range []string{"device-name", "nic-priority-matrix", "auto-discovery", "backend", "init-mem"} {
 		_ = f.MarkHidden(n)
 	}
 	tf.secretFlags.register(f)
 	return cmd
+}
+
+// startCPUProfile starts a Go CPU profile into path; stop ends it and
+// closes the file.
+func startCPUProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("--cpu-profile: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("--cpu-profile: %w", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}, nil
 }

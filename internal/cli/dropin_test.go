@@ -313,7 +313,7 @@ func (s *syncBuffer) String() string {
 
 // TestBenchTransferMooncakeSpellings runs a target and an initiator with
 // transfer_engine_bench's flags (gflags' single dash, underscores, --duration in
-// seconds) and checks its result line.
+// seconds) and checks its result line, and the initiator's --cpu-profile.
 func TestBenchTransferMooncakeSpellings(t *testing.T) {
 	token := "--cluster_token=bench-test-token-0123456789"
 	ctx, cancel := context.WithCancel(context.Background())
@@ -335,11 +335,15 @@ func TestBenchTransferMooncakeSpellings(t *testing.T) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	prof := filepath.Join(t.TempDir(), "cpu.pprof")
 	out, err, _ := runLogged(t, nil, "bench", "transfer", "-mode=initiator", "--segment_id="+seg, "--metadata_server", "P2PHANDSHAKE",
 		"--protocol", "tcp", "--block_size=65536", "--batch_size=8", "--threads=1", "--buffer_size=4194304", "--duration", "1",
-		"--format=mooncake", "--report_unit=MiB", "--report_precision=3", token)
+		"--format=mooncake", "--report_unit=MiB", "--report_precision=3", token, "--cpu-profile", prof)
 	if err != nil {
 		t.Fatalf("initiator: %v\n%s", err, out)
+	}
+	if b, err := os.ReadFile(prof); err != nil || len(b) < 64 || b[0] != 0x1f || b[1] != 0x8b {
+		t.Errorf("--cpu-profile wrote %d bytes (%v), want a gzipped profile", len(b), err)
 	}
 	if !regexp.MustCompile(`^Test completed: duration 1\.\d\d, batch count [1-9]\d*, throughput \d+\.\d{3} MiB/s\n$`).MatchString(out) {
 		t.Fatalf("result line %q", out)
