@@ -82,9 +82,9 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 	return nil
 }
 
-// Routing limits of moe_topk and moe_sort (csrc/llama/blocks.cu).
+// Routing limits of moe_topk, moe_sort and moe_route (csrc/llama/blocks.cu:
+// TOPK_PER * 32 = MOE_MAXE experts).
 const (
-	moeTopKMax     = 32 * 16 // TOPK_PER
 	moeMaxExperts  = 512     // MOE_MAXE
 	moeSortThreads = 16 * 32 // MOE_SORT_WARPS
 	// moeRouteMax is the most tokens routed by one moe_route launch (its
