@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/internal/cuda/cudatest"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
 )
 
@@ -22,9 +23,9 @@ var _ rdma.DMABufMemory = (*cuda.Pool)(nil)
 // to host pages, off locates the address in it, and ranges outside the
 // pool are refused.
 func TestPoolDMABuf(t *testing.T) {
-	m := gpuPool(t, 8<<20)
-	defer m.(ownedPool).Close()
-	p := m.(ownedPool).Pool
+	m := cudatest.NewPool(t, 8<<20)
+	defer m.(cudatest.Pool).Close()
+	p := m.(cudatest.Pool).Pool
 	pg := uint64(os.Getpagesize())
 	base := p.Base()
 	fd, off, err := p.DMABuf(base, p.Size())

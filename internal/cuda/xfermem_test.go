@@ -11,7 +11,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
 
-	"github.com/mooncake-go/mooncake-go/internal/cuda"
+	"github.com/mooncake-go/mooncake-go/internal/cuda/cudatest"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/rdma/verbs/fake"
@@ -19,44 +19,12 @@ import (
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
-// ownedPool is a pool that releases its context when closed.
-type ownedPool struct {
-	*cuda.Pool
-	ctx *cuda.Context
-}
-
-func (p ownedPool) Close() error { return errors.Join(p.Pool.Close(), p.ctx.Release()) }
-
-func gpuPool(t testing.TB, size int) transfer.DeviceMemory {
-	t.Helper()
-	if err := cuda.Init(); err != nil {
-		t.Skipf("no CUDA: %v", err)
-	}
-	if n, err := cuda.DeviceCount(); err != nil || n == 0 {
-		t.Skipf("no GPU (%d, %v)", n, err)
-	}
-	d, err := cuda.GetDevice(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := d.Retain()
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := c.NewPool(cuda.PoolConfig{Size: uint64(size)})
-	if err != nil {
-		c.Release()
-		t.Fatal(err)
-	}
-	return ownedPool{p, c}
-}
-
 // TestPoolOverTCP moves real GPU memory over tcp between two engines of
 // this process (GPU->GPU, GPU->host, host->GPU, page lists, bounds),
 // checking every byte.
 func TestPoolOverTCP(t *testing.T) {
-	gpuPool(t, 1<<20).(ownedPool).Close() // skip early without a GPU
-	transfertest.RunDevice(t, func() []transfer.Transport { return []transfer.Transport{tcp.New(tcp.Config{})} }, gpuPool)
+	cudatest.NewPool(t, 1<<20).(cudatest.Pool).Close() // skip early without a GPU
+	transfertest.RunDevice(t, func() []transfer.Transport { return []transfer.Transport{tcp.New(tcp.Config{})} }, cudatest.NewPool)
 }
 
 // TestPoolOverRDMAFakeHCA moves real GPU memory over rdma on the fake HCA
@@ -66,8 +34,8 @@ func TestPoolOverTCP(t *testing.T) {
 // and this checks staging through pinned memory and the pool's copy
 // streams. It logs which path a pool took.
 func TestPoolOverRDMAFakeHCA(t *testing.T) {
-	m := gpuPool(t, 1<<20)
-	t.Cleanup(func() { m.(ownedPool).Close() }) // after the engine's cleanup
+	m := cudatest.NewPool(t, 1<<20)
+	t.Cleanup(func() { m.(cudatest.Pool).Close() }) // after the engine's cleanup
 	fab := fake.NewFabric()
 	core, logs := observer.New(zap.DebugLevel)
 	n := transfertest.NewNode(t, func() []transfer.Transport {
@@ -81,14 +49,14 @@ func TestPoolOverRDMAFakeHCA(t *testing.T) {
 	}
 	transfertest.RunDevice(t, func() []transfer.Transport {
 		return []transfer.Transport{rdma.New(rdma.Config{Provider: fab.NewHost("mlx5_0")})}
-	}, gpuPool)
+	}, cudatest.NewPool)
 }
 
 // TestPoolCopies: the pool's copies round-trip bytes, refuse ranges
 // outside the pool, and its handle is shareable.
 func TestPoolCopies(t *testing.T) {
-	m := gpuPool(t, 4<<20)
-	defer m.(ownedPool).Close()
+	m := cudatest.NewPool(t, 4<<20)
+	defer m.(cudatest.Pool).Close()
 	st, err := m.AllocStaging(2 << 20)
 	if err != nil {
 		t.Fatal(err)
