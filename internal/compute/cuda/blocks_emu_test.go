@@ -14,9 +14,24 @@ import (
 )
 
 // blocksEmu compiles testdata/blocks_emu.cpp with csrc/llama/blocks.cu for
-// a head dim and storage type; it skips without a C++ compiler (or off
-// x86-64).
+// a head dim and storage type.
 func blocksEmu(t *testing.T, headDim int, bf16 bool) string {
+	t.Helper()
+	src, _ := filepath.Abs("../../../csrc/llama/blocks.cu")
+	bf := 0
+	if bf16 {
+		bf = 1
+	}
+	return emuCompile(t, "blocks_emu", fmt.Sprintf("-DHEAD_DIM=%d", headDim), fmt.Sprintf("-DUSE_BF16=%d", bf),
+		`-DBLOCKS_CU="`+src+`"`)
+}
+
+// emuCompile builds testdata/<name>.cpp, a kernel emulation through
+// cudaemu.h, with the given defines; it skips without a C++ compiler (or
+// off x86-64). -O0: an optimiser may split one __syncthreads into a call
+// per branch, which the emulation's check for divergent barriers (by call
+// site) would take for divergence.
+func emuCompile(t *testing.T, name string, defines ...string) string {
 	t.Helper()
 	if runtime.GOARCH != "amd64" {
 		t.Skip("the kernel emulation switches coroutines in x86-64 assembly")
@@ -27,14 +42,9 @@ func blocksEmu(t *testing.T, headDim int, bf16 bool) string {
 			t.Skip("no C++ compiler for the kernel emulation")
 		}
 	}
-	src, _ := filepath.Abs("../../../csrc/llama/blocks.cu")
-	bin := filepath.Join(t.TempDir(), "blocks_emu")
-	bf := 0
-	if bf16 {
-		bf = 1
-	}
-	cmd := exec.Command(cxx, "-std=c++20", "-O0", "-ffp-contract=off", fmt.Sprintf("-DHEAD_DIM=%d", headDim),
-		fmt.Sprintf("-DUSE_BF16=%d", bf), `-DBLOCKS_CU="`+src+`"`, "-Itestdata", "testdata/blocks_emu.cpp", "-o", bin)
+	bin := filepath.Join(t.TempDir(), name)
+	args := append([]string{"-std=c++20", "-O0", "-ffp-contract=off"}, defines...)
+	cmd := exec.Command(cxx, append(args, "-Itestdata", "testdata/"+name+".cpp", "-o", bin)...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("building the kernel emulation: %v\n%s", err, out)
 	}

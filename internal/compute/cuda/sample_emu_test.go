@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -79,30 +78,11 @@ type emuRow struct {
 	top    int
 }
 
-// emuBuild compiles testdata/sample_emu.cpp with the kernels; it skips
-// without a C++ compiler (or off x86-64).
+// emuBuild compiles testdata/sample_emu.cpp with the kernels.
 func emuBuild(t *testing.T) string {
 	t.Helper()
-	if runtime.GOARCH != "amd64" {
-		t.Skip("the kernel emulation switches coroutines in x86-64 assembly")
-	}
-	cxx, err := exec.LookPath("g++")
-	if err != nil {
-		if cxx, err = exec.LookPath("clang++"); err != nil {
-			t.Skip("no C++ compiler for the kernel emulation")
-		}
-	}
 	src, _ := filepath.Abs("../../../csrc/llama/sample.cu")
-	bin := filepath.Join(t.TempDir(), "sample_emu")
-	// -O0: an optimiser may split one __syncthreads into a call per branch,
-	// which the emulation's check for divergent barriers (by call site)
-	// would take for divergence.
-	cmd := exec.Command(cxx, "-std=c++20", "-O0", "-ffp-contract=off", "-DWIN=512",
-		`-DSAMPLE_CU="`+src+`"`, "-Itestdata", "testdata/sample_emu.cpp", "-o", bin)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("building the kernel emulation: %v\n%s", err, out)
-	}
-	return bin
+	return emuCompile(t, "sample_emu", "-DWIN=512", `-DSAMPLE_CU="`+src+`"`)
 }
 
 // emuRun runs the kernels over rows for steps steps of logits (logits[s][r])
