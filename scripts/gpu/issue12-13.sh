@@ -15,15 +15,8 @@
 # Build: GPU_TEST_PKGS="./internal/compute/cuda ./pkg/transfer/nvlink ./internal/collective/nccl" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/issue12-13.sh", carry=["gpu-bundle"], timeout_s=600)
 set -u
-O=${OUT:-/tmp/i1213}
-mkdir -p "$O"
-root=$PWD
-LIMIT=${LIMIT:-520}
-w=$(mktemp -d)
-trap 'rm -rf "$w"' EXIT
-export XDG_CACHE_HOME=$w/cache MOONCAKE_SHARED=$root/gpu-bundle/shared
-log() { echo "[+${SECONDS}s] $*" | tee -a "$O/run.log"; }
-left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { log "SKIP $2: $((LIMIT - SECONDS)) s left"; return 1; }; }
+DEF_OUT=/tmp/i1213 DEF_LIMIT=520
+. "$(dirname "$0")/common.sh"
 for b in internal.cuda.test pkg.transfer.nvlink.test internal.collective.nccl.test internal.compute.cuda.test; do
 	xz -dc "gpu-bundle/bin/$b.xz" >"$w/$b" 2>/dev/null && chmod +x "$w/$b" || log "no $b in the bundle"
 done

@@ -23,15 +23,8 @@
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
 set -u
-O=${OUT:-/tmp/moe13}
-mkdir -p "$O"
-root=$PWD
-LIMIT=${LIMIT:-540}
-w=$(mktemp -d)
-trap 'rm -rf "$w"' EXIT
-export XDG_CACHE_HOME=$w/cache MOONCAKE_SHARED=$root/gpu-bundle/shared
-log() { echo "[+${SECONDS}s] $*" | tee -a "$O/run.log"; }
-left() { [ $((LIMIT - SECONDS)) -gt "$1" ] || { log "SKIP $2: $((LIMIT - SECONDS)) s left"; return 1; }; }
+DEF_OUT=/tmp/moe13 DEF_LIMIT=540
+. "$(dirname "$0")/common.sh"
 for f in gpu-bundle/bin/*.xz; do
 	b=$(basename "$f" .xz)
 	xz -dc "$f" >"$w/$b" && chmod +x "$w/$b"
