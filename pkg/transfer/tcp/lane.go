@@ -117,10 +117,11 @@ func (t *Transport) dial(p *peer, d *transfer.Descriptor) {
 		for _, c := range conns {
 			l := newLane(p, c)
 			p.lanes = append(p.lanes, l)
-			l.lwg.Add(3)
-			t.wg.Add(4)
+			l.lwg.Add(4)
+			t.wg.Add(5)
 			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.writeLoop() }()
 			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.readLoop() }()
+			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.copyLoop() }()
 			go func() { defer t.wg.Done(); defer l.lwg.Done(); l.finishLoop() }()
 			go func() {
 				defer t.wg.Done()
@@ -332,6 +333,7 @@ type lane struct {
 	st   *stager
 	done context.Context // already done: polls completions
 	stop chan struct{}   // closed by fail
+	cpq  chan *piece     // staged reads received into their slot, copy not started
 	fin  chan *piece     // staged reads whose copy to the device runs
 	lwg  sync.WaitGroup
 }
@@ -340,7 +342,8 @@ func newLane(p *peer, c net.Conn) *lane {
 	cfg := p.t.cfg
 	l := &lane{p: p, conn: c, br: bufio.NewReaderSize(c, readBufSize), max: cfg.MaxInflight,
 		tmo: p.t.h.Timeout(), inflight: map[uint64]*piece{}, st: newStager(cfg.StagingChunk, cfg.StagingSlots),
-		stop: make(chan struct{}), fin: make(chan *piece, finQueue), done: doneContext()}
+		stop: make(chan struct{}), cpq: make(chan *piece, finQueue), fin: make(chan *piece, finQueue),
+		done: doneContext()}
 	l.cond.L = &l.mu
 	return l
 }
@@ -653,7 +656,7 @@ func (l *lane) abandon(rest []*piece, err error) {
 }
 
 func (l *lane) readLoop() {
-	defer close(l.fin)
+	defer close(l.cpq)
 	var hb [respSize]byte
 	for {
 		n, err := io.ReadFull(l.br, hb[:])
@@ -729,7 +732,7 @@ func (l *lane) readLoop() {
 				// reused, so drop the data.
 				_, err = l.br.Discard(int(want))
 			} else {
-				_, err = io.ReadFull(l.br, mem(pc.local, want))
+				err = readPayload(l.br, l.conn, mem(pc.local, want))
 			}
 			if err != nil {
 				err = l.deadErr("receive", err)
@@ -742,28 +745,39 @@ func (l *lane) readLoop() {
 	}
 }
 
-// receiveStaged reads a staged read's data into a slot and starts its copy
-// to the device; the finisher ends the piece once the copy ended. An error
-// returned ends the lane.
+// receiveStaged reads a staged read's data into a slot and hands it to the
+// copier, which starts its copy to the device (off the socket's reader:
+// the copy's enqueue costs as much as reading a piece); the finisher ends
+// the piece once the copy ended. An error returned ends the lane.
 func (l *lane) receiveStaged(pc *piece) error {
 	slot, err := l.st.get(fromWire, int(pc.n), l.stop, l.tmo)
 	if err != nil {
 		return fmt.Errorf("%w: tcp lane to %s: %v", transfer.ErrPeerDead, l.p.name, err)
 	}
-	b := slot.b
-	if _, err := io.ReadFull(l.br, b); err != nil {
+	if err := readPayload(l.br, l.conn, slot.b); err != nil {
 		l.st.put(fromWire, slot)
 		return l.deadErr("receive", err)
 	}
-	c, err := pc.dev.CopyFromHost(pc.local, b)
-	if err != nil {
-		l.st.put(fromWire, slot)
-		pc.finish(fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err))
-		return nil
-	}
-	pc.slot, pc.wait = slot, c
-	l.fin <- pc // blocks only while the finisher catches up
+	pc.slot = slot
+	l.cpq <- pc // blocks only while the copier catches up
 	return nil
+}
+
+// copyLoop starts the device copies of received staged reads, in order.
+func (l *lane) copyLoop() {
+	defer close(l.fin)
+	for pc := range l.cpq {
+		slot := pc.slot
+		c, err := pc.dev.CopyFromHost(pc.local, slot.b)
+		if err != nil {
+			pc.slot = nil
+			l.st.put(fromWire, slot)
+			pc.finish(fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err))
+			continue
+		}
+		pc.wait = c
+		l.fin <- pc // blocks only while the finisher catches up
+	}
 }
 
 // finishLoop ends staged reads in order, as their copies to the device end.

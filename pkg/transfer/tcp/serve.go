@@ -40,6 +40,7 @@ type response struct {
 	// a read's payload is the slot, a write's ack is sent once the slot's
 	// bytes are in device memory.
 	wait transfer.Completion
+	dev  transfer.DeviceMemory // a write whose copy the writer starts (slot -> device at addr)
 	slot *slot
 	dir  int
 	op   uint8
@@ -53,6 +54,7 @@ type response struct {
 // of completion (which is request order: one reader per lane).
 type server struct {
 	r       *bufio.Reader
+	src     io.Reader // r's source: payloads are read from it directly
 	w       io.Writer
 	hold    holdFunc
 	timeout time.Duration
@@ -69,7 +71,31 @@ type server struct {
 // already buffered, so a lone request is answered at once.
 const maxPending = 64
 
+// readBufSize is the buffered reader's size: headers and small payloads
+// (many a read); larger payloads are read into their destination
+// (readPayload).
 const readBufSize = 64 << 10
+
+// readPayload fills b with the next len(b) bytes of the stream: what br
+// holds already, then, when at least readBufSize bytes remain, straight
+// from r (br's source) into b, so a large payload is not copied through
+// br's buffer; a smaller rest goes through br (one read may bring the next
+// headers too).
+func readPayload(br *bufio.Reader, r io.Reader, b []byte) error {
+	n := 0
+	if k := br.Buffered(); k > 0 {
+		m, err := br.Read(b[:min(k, len(b))])
+		if n = m; err != nil {
+			return err
+		}
+	}
+	if len(b)-n < readBufSize {
+		_, err := io.ReadFull(br, b[n:])
+		return err
+	}
+	_, err := io.ReadFull(r, b[n:])
+	return err
+}
 
 func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, closeFn func(), st *stager) *server {
 	if timeout <= 0 {
@@ -78,7 +104,7 @@ func newServer(r io.Reader, w io.Writer, hold holdFunc, timeout time.Duration, c
 	if st == nil {
 		st = newStager(defaultStagingChunk, defaultStagingSlots)
 	}
-	return &server{r: bufio.NewReaderSize(r, readBufSize), w: w, hold: hold, timeout: timeout,
+	return &server{r: bufio.NewReaderSize(r, readBufSize), src: r, w: w, hold: hold, timeout: timeout,
 		closeFn: closeFn, st: st, done: doneContext(), out: make(chan []response, 8), free: make(chan []response, 10)}
 }
 
@@ -176,7 +202,7 @@ func (s *server) readLoop() error {
 		dst := mem(h.addr, h.len)
 		var r response
 		if h.op == opWrite {
-			_, err := io.ReadFull(s.r, dst)
+			err := readPayload(s.r, s.src, dst)
 			reg.Release()
 			if err != nil {
 				return err
@@ -238,12 +264,12 @@ func (s *server) serveDevice(h reqHeader, reg *transfer.Region, dm transfer.Devi
 	r := response{hold: reg, slot: slot, dir: dir, op: h.op, id: h.id, addr: h.addr, n: h.len}
 	var err error
 	if h.op == opWrite {
-		if _, err := io.ReadFull(s.r, b); err != nil {
+		if err := readPayload(s.r, s.src, b); err != nil {
 			s.st.put(dir, slot)
 			reg.Release()
 			return err
 		}
-		r.wait, err = dm.CopyFromHost(h.addr, b)
+		r.dev = dm // the writer starts the copy: the reader goes on reading
 		(&respHeader{id: h.id}).put(r.hdr[:])
 	} else {
 		r.wait, err = dm.CopyToHost(b, h.addr)
@@ -281,6 +307,11 @@ func (s *server) settle(r *response) {
 		r.slot, r.hold = nil, nil
 		err = fmt.Errorf("%w: not done after %v", transfer.ErrDeviceCopy, s.timeout)
 	}
+	r.deviceErr(err)
+}
+
+// deviceErr makes r the error response of its failed device copy.
+func (r *response) deviceErr(err error) {
 	text := fmt.Sprintf("%s of %d bytes at %#x: %v", opName(r.op), r.n, r.addr, err)
 	if len(text) > maxErrText {
 		text = text[:maxErrText]
@@ -334,11 +365,29 @@ func (s *server) writeLoop() {
 	}
 }
 
-// writeBatch writes batch with vectored writes, waiting for each staged
-// response's copy first (what came before it goes out meanwhile). After a
+// writeBatch writes batch with vectored writes: it starts the staged
+// writes' copies to the device, then waits for each staged response's copy
+// before writing it (what came before it goes out meanwhile). After a
 // failed write it only settles and releases. It reports whether writing
 // failed.
 func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ SetWriteDeadline(time.Time) error }, failed bool) bool {
+	for i := range batch {
+		r := &batch[i]
+		if r.dev == nil {
+			continue
+		}
+		dm := r.dev
+		r.dev = nil
+		if failed {
+			continue // nobody hears the ack: the slot and hold are released below
+		}
+		c, err := dm.CopyFromHost(r.addr, r.slot.b)
+		if err != nil {
+			r.deviceErr(err)
+			continue
+		}
+		r.wait = c
+	}
 	start := 0
 	bufs = bufs[:0]
 	send := func(end int) {
