@@ -28,12 +28,24 @@ func PageKV(lay kvcache.Layout, mem []byte, l int, kind kvcache.Kind, p int) []f
 // from the first rank that holds it. A replica that differs from it is an
 // error.
 func ShardKV(shards []kvcache.Shard, mems [][]byte, heads int, l int, kind kvcache.Kind, p int) ([]float32, error) {
+	pages := make([][]float32, len(shards))
+	for r, s := range shards {
+		pages[r] = PageKV(s.Layout, mems[r], l, kind, p)
+	}
+	return MergeKV(shards, pages, heads, l, p)
+}
+
+// MergeKV merges the ranks' pages of layer l, page p (pages[r]: rank r's
+// PageSize tokens of its KV heads) into one page of every KV head, each
+// head from the first rank that holds it. A replica that differs from it
+// is an error.
+func MergeKV(shards []kvcache.Shard, pages [][]float32, heads int, l int, p int) ([]float32, error) {
 	hd := shards[0].Layout.HeadDim
 	ps := shards[0].Layout.PageSize
 	out := make([]float32, ps*heads*hd)
 	have := make([]bool, heads)
 	for r, s := range shards {
-		page := PageKV(s.Layout, mems[r], l, kind, p)
+		page := pages[r]
 		n := s.Layout.KVHeads
 		for slot := range ps {
 			for h := range n {

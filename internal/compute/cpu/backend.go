@@ -14,10 +14,8 @@ package cpu
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"runtime"
-	"slices"
 	"sync"
 	"time"
 
@@ -70,7 +68,7 @@ type Backend struct {
 	ranks  []*rank
 	comms  []collective.Comm
 	lg     *zap.Logger
-	m      *tpMetrics
+	m      *compute.TPMetrics
 	mu     sync.Mutex
 	closed bool
 }
@@ -131,7 +129,7 @@ func NewTP(m *model.Model, pools []*kvcache.Pool, o Options) (*Backend, error) {
 	}
 	b := &Backend{cfg: c, layout: LayoutFor(c, l0.PageSize, l0.Pages), opts: o, lg: lg.Named("cpu")}
 	if tp > 1 {
-		b.m = newTPMetrics(o.Registerer, tp)
+		b.m = compute.NewTPMetrics(o.Registerer, tp, "all_reduce", "all_gather")
 		b.comms = o.Comms(tp)
 		if len(b.comms) != tp {
 			return nil, fmt.Errorf("cpu: %d communicator ends for %d ranks", len(b.comms), tp)
@@ -146,8 +144,8 @@ func NewTP(m *model.Model, pools []*kvcache.Pool, o Options) (*Backend, error) {
 		}
 		if tp > 1 {
 			rk.comm = b.comms[r]
-			rk.arSecs = b.m.collective.WithLabelValues(rk.label, "all_reduce")
-			rk.agSecs = b.m.collective.WithLabelValues(rk.label, "all_gather")
+			rk.arSecs = b.m.Collective.WithLabelValues(rk.label, "all_reduce")
+			rk.agSecs = b.m.Collective.WithLabelValues(rk.label, "all_gather")
 		}
 		b.ranks = append(b.ranks, rk)
 		if tp > 1 {
@@ -225,7 +223,7 @@ func (b *Backend) forwardTP(ctx context.Context, seqs []compute.Seq, out [][]flo
 			if errs[r.id] != nil {
 				r.comm.Close() // the others' waits for this rank end
 			}
-			b.m.forward.WithLabelValues(r.label).Add(time.Since(start).Seconds())
+			b.m.Forward.WithLabelValues(r.label).Add(time.Since(start).Seconds())
 		}()
 		errs[r.id] = r.forward(ctx, seqs, out, n, maxEnd, m)
 	}
@@ -239,23 +237,11 @@ func (b *Backend) forwardTP(ctx context.Context, seqs []compute.Seq, out [][]flo
 	}
 	run(b.ranks[0], out)
 	wg.Wait()
-	cause := -1
-	for i, err := range errs {
-		var ce *collective.Error
-		if err == nil || errors.As(err, &ce) && ce.Rank != i {
-			continue // aborted by the rank that failed
-		}
-		cause = i
-		break
-	}
-	if cause < 0 {
-		cause = slices.IndexFunc(errs, func(err error) bool { return err != nil })
-	}
-	if cause < 0 {
+	first := compute.FirstRankError(errs)
+	if first == nil {
 		return nil
 	}
-	first := &compute.RankError{Rank: cause, Err: errs[cause]}
-	b.m.failures.WithLabelValues(b.ranks[first.Rank].label).Inc()
+	b.m.Failures.WithLabelValues(b.ranks[first.Rank].label).Inc()
 	b.lg.Warn("tp pass failed", zap.Int("tp_rank", first.Rank), zap.Error(first.Err))
 	for _, c := range b.comms {
 		c.Close()
@@ -306,39 +292,6 @@ func (b *Backend) check(seqs []compute.Seq, out [][]float32) (n, maxEnd, m int, 
 		maxEnd = max(maxEnd, end)
 	}
 	return n, maxEnd, m, nil
-}
-
-// tpMetrics are the per-rank metrics of a tensor-parallel backend.
-type tpMetrics struct {
-	forward    *prometheus.CounterVec // tp_rank
-	collective *prometheus.CounterVec // tp_rank, op
-	failures   *prometheus.CounterVec // tp_rank
-}
-
-func newTPMetrics(reg prometheus.Registerer, tp int) *tpMetrics {
-	m := &tpMetrics{
-		forward: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "mooncake_tp_forward_seconds_total", Help: "Time each tensor-parallel rank spent in forward passes.",
-		}, []string{"tp_rank"}),
-		collective: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "mooncake_tp_collective_seconds_total", Help: "Time each tensor-parallel rank spent in collectives (waiting for the others included), by operation.",
-		}, []string{"tp_rank", "op"}),
-		failures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "mooncake_tp_failures_total", Help: "Forward passes a tensor-parallel rank failed (the pass's requests fail with it).",
-		}, []string{"tp_rank"}),
-	}
-	for r := range tp {
-		l := fmt.Sprint(r)
-		m.forward.WithLabelValues(l)
-		m.failures.WithLabelValues(l)
-		for _, op := range []string{"all_reduce", "all_gather"} {
-			m.collective.WithLabelValues(l, op)
-		}
-	}
-	if reg != nil {
-		reg.MustRegister(m.forward, m.collective, m.failures)
-	}
-	return m
 }
 
 // team runs one function on n threads: the caller is thread 0.

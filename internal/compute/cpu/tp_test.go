@@ -141,7 +141,7 @@ func TestRankFails(t *testing.T) {
 	if !strings.Contains(err.Error(), "tp rank 2") {
 		t.Fatalf("error %q does not name the rank", err)
 	}
-	if v := counter(b.m.failures.WithLabelValues("2")); v != 1 {
+	if v := counter(b.m.Failures.WithLabelValues("2")); v != 1 {
 		t.Fatalf("rank 2 failures = %v", v)
 	}
 	if err := b.Forward(context.Background(), seq, out); err != nil {
@@ -154,7 +154,7 @@ func TestRankFails(t *testing.T) {
 	if d := maxAbsDiff(out[0], want[0]); d > 1e-5 {
 		t.Fatalf("logits after the failure %g off tp 1's", d)
 	}
-	if v := counter(b.m.forward.WithLabelValues("3")); v <= 0 {
+	if v := counter(b.m.Forward.WithLabelValues("3")); v <= 0 {
 		t.Fatalf("rank 3 forward seconds %v", v)
 	}
 	// A context that ends stops every rank.
