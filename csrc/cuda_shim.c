@@ -68,6 +68,7 @@ int mc_cuda_bind(void *lib, char *missing, int missing_len) {
 	REQ(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync", NULL);
 	REQ(cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync", NULL);
 	REQ(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync", NULL);
+	REQ(cuMemcpy2DAsync, "cuMemcpy2DAsync_v2", "cuMemcpy2DAsync", NULL);
 	REQ(cuMemcpyPeer, "cuMemcpyPeer", NULL, NULL);
 	REQ(cuMemcpyPeerAsync, "cuMemcpyPeerAsync", NULL, NULL);
 	REQ(cuMemsetD8, "cuMemsetD8_v2", "cuMemsetD8", NULL);
@@ -187,6 +188,18 @@ CUresult mc_cuMemcpyDtoD(CUcontext c, CUdeviceptr d, CUdeviceptr s, size_t n) { 
 CUresult mc_cuMemcpyHtoDAsync(CUcontext c, CUdeviceptr d, uintptr_t s, size_t n, CUstream st) { WITH_CTX(c); return CALL(cuMemcpyHtoDAsync, d, (const void *)s, n, st); }
 CUresult mc_cuMemcpyDtoHAsync(CUcontext c, uintptr_t d, CUdeviceptr s, size_t n, CUstream st) { WITH_CTX(c); return CALL(cuMemcpyDtoHAsync, (void *)d, s, n, st); }
 CUresult mc_cuMemcpyDtoDAsync(CUcontext c, CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { WITH_CTX(c); return CALL(cuMemcpyDtoDAsync, d, s, n, st); }
+CUresult mc_cuMemcpy2DDtoDAsync(CUcontext c, CUdeviceptr d, size_t dp, CUdeviceptr s, size_t sp, size_t w, size_t h, CUstream st) {
+	mc_CUDA_MEMCPY2D m = {0};
+	m.srcMemoryType = m.dstMemoryType = 2; /* CU_MEMORYTYPE_DEVICE */
+	m.srcDevice = s;
+	m.srcPitch = sp;
+	m.dstDevice = d;
+	m.dstPitch = dp;
+	m.WidthInBytes = w;
+	m.Height = h;
+	WITH_CTX(c);
+	return CALL(cuMemcpy2DAsync, &m, st);
+}
 CUresult mc_cuMemcpyPeer(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n) { WITH_CTX(sc); return CALL(cuMemcpyPeer, d, dc, s, sc, n); }
 CUresult mc_cuMemcpyPeerAsync(CUcontext c, CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st) { WITH_CTX(c); return CALL(cuMemcpyPeerAsync, d, dc, s, sc, n, st); }
 CUresult mc_cuMemsetD8(CUcontext c, CUdeviceptr d, unsigned char v, size_t n) { WITH_CTX(c); return CALL(cuMemsetD8, d, v, n); }

@@ -53,6 +53,23 @@ typedef struct {
 	int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
 } mc_CUmemAccessDesc;
 
+/* CUDA_MEMCPY2D (the _v2 ABI) */
+typedef struct {
+	size_t srcXInBytes, srcY;
+	int srcMemoryType; /* CU_MEMORYTYPE_DEVICE = 2 */
+	const void *srcHost;
+	CUdeviceptr srcDevice;
+	void *srcArray;
+	size_t srcPitch;
+	size_t dstXInBytes, dstY;
+	int dstMemoryType;
+	void *dstHost;
+	CUdeviceptr dstDevice;
+	void *dstArray;
+	size_t dstPitch;
+	size_t WidthInBytes, Height;
+} mc_CUDA_MEMCPY2D;
+
 /* CUgraphExecUpdateResultInfo (CUDA 12+) */
 typedef struct {
 	int result; /* CUgraphExecUpdateResult */
@@ -129,6 +146,7 @@ typedef struct {
 	CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void *, size_t, CUstream);
 	CUresult (*cuMemcpyDtoHAsync)(void *, CUdeviceptr, size_t, CUstream);
 	CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+	CUresult (*cuMemcpy2DAsync)(const mc_CUDA_MEMCPY2D *, CUstream);
 	CUresult (*cuMemcpyPeer)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
 	CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
 	CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
@@ -232,6 +250,7 @@ CUresult mc_cuMemcpyDtoD(CUcontext c, CUdeviceptr dst, CUdeviceptr src, size_t n
 CUresult mc_cuMemcpyHtoDAsync(CUcontext c, CUdeviceptr dst, uintptr_t src, size_t n, CUstream s);
 CUresult mc_cuMemcpyDtoHAsync(CUcontext c, uintptr_t dst, CUdeviceptr src, size_t n, CUstream s);
 CUresult mc_cuMemcpyDtoDAsync(CUcontext c, CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s);
+CUresult mc_cuMemcpy2DDtoDAsync(CUcontext c, CUdeviceptr dst, size_t dpitch, CUdeviceptr src, size_t spitch, size_t width, size_t height, CUstream s);
 CUresult mc_cuMemcpyPeer(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t n);
 CUresult mc_cuMemcpyPeerAsync(CUcontext c, CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t n, CUstream s);
 CUresult mc_cuMemsetD8(CUcontext c, CUdeviceptr dst, unsigned char v, size_t n);

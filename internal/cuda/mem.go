@@ -79,6 +79,12 @@ func (s *Stream) MemcpyDtoD(dst, src DevicePtr, n uint64) error {
 	return check("cuMemcpyDtoDAsync", cuMemcpyDtoDAsync(s.ctx.h, dst, src, n, s.h))
 }
 
+// Memcpy2D enqueues a device-to-device copy of height rows of width bytes,
+// row i from src+i*spitch to dst+i*dpitch.
+func (s *Stream) Memcpy2D(dst DevicePtr, dpitch uint64, src DevicePtr, spitch, width, height uint64) error {
+	return check("cuMemcpy2DAsync", cuMemcpy2DDtoDAsync(s.ctx.h, dst, dpitch, src, spitch, width, height, s.h))
+}
+
 // MemcpyPeer enqueues a copy between contexts.
 func (s *Stream) MemcpyPeer(dst DevicePtr, dstCtx *Context, src DevicePtr, srcCtx *Context, n uint64) error {
 	return check("cuMemcpyPeerAsync", cuMemcpyPeerAsync(s.ctx.h, dst, dstCtx.h, src, srcCtx.h, n, s.h))

@@ -189,6 +189,10 @@ func cuMemcpyDtoHAsync(c unsafe.Pointer, dst uintptr, src DevicePtr, n uint64, s
 func cuMemcpyDtoDAsync(c unsafe.Pointer, dst, src DevicePtr, n uint64, s unsafe.Pointer) Result {
 	return r(C.mc_cuMemcpyDtoDAsync(C.CUcontext(c), C.CUdeviceptr(dst), C.CUdeviceptr(src), C.size_t(n), C.CUstream(s)))
 }
+func cuMemcpy2DDtoDAsync(c unsafe.Pointer, dst DevicePtr, dpitch uint64, src DevicePtr, spitch, width, height uint64, s unsafe.Pointer) Result {
+	return r(C.mc_cuMemcpy2DDtoDAsync(C.CUcontext(c), C.CUdeviceptr(dst), C.size_t(dpitch), C.CUdeviceptr(src), C.size_t(spitch),
+		C.size_t(width), C.size_t(height), C.CUstream(s)))
+}
 func cuMemcpyPeer(dst DevicePtr, dctx unsafe.Pointer, src DevicePtr, sctx unsafe.Pointer, n uint64) Result {
 	return r(C.mc_cuMemcpyPeer(C.CUdeviceptr(dst), C.CUcontext(dctx), C.CUdeviceptr(src), C.CUcontext(sctx), C.size_t(n)))
 }

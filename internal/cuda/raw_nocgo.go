@@ -65,6 +65,9 @@ func cuMemcpyDtoHAsync(unsafe.Pointer, uintptr, DevicePtr, uint64, unsafe.Pointe
 func cuMemcpyDtoDAsync(unsafe.Pointer, DevicePtr, DevicePtr, uint64, unsafe.Pointer) Result {
 	return noCgo
 }
+func cuMemcpy2DDtoDAsync(unsafe.Pointer, DevicePtr, uint64, DevicePtr, uint64, uint64, uint64, unsafe.Pointer) Result {
+	return noCgo
+}
 func cuMemcpyPeer(DevicePtr, unsafe.Pointer, DevicePtr, unsafe.Pointer, uint64) Result { return noCgo }
 func cuMemcpyPeerAsync(unsafe.Pointer, DevicePtr, unsafe.Pointer, DevicePtr, unsafe.Pointer, uint64, unsafe.Pointer) Result {
 	return noCgo

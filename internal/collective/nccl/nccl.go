@@ -222,6 +222,25 @@ func (c *Comm) Barrier(ctx context.Context) error {
 	})
 }
 
+// Capturable says that the rank's operations can be captured in a CUDA
+// graph of its stream (NCCL's are).
+func (c *Comm) Capturable() bool { return true }
+
+// Abort ends the communicator at once (ncclCommAbort): operations of any
+// rank still waiting on the device end, so a pass whose rank failed does
+// not hang the others. The communicator is broken after it.
+func (c *Comm) Abort() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.h != 0 {
+		abort(c.h)
+		c.h = 0
+	}
+	if c.broken == nil {
+		c.broken = &collective.Error{Rank: c.rank, Op: "abort", Err: fmt.Errorf("%w: aborted", collective.ErrAborted)}
+	}
+}
+
 // Close destroys the communicator (ncclCommDestroy) and its barrier buffer.
 func (c *Comm) Close() error {
 	c.mu.Lock()
