@@ -7,7 +7,7 @@
 #           TestGolden, TestGraphEqualsEager, TestFusedDecode, TestKernelsV2
 #   extra   EXTRA_TESTS="dir bin regexp; ..." (other bundled test binaries)
 #   vram    scripts/gpu/tcp-vram.sh: bench transfer --use-vram over tcp against
-#           raw TCP
+#           raw TCP (BIN_B=gpu-bundle/bin/X.xz: X and the bundle's CLI in turn)
 #   graph   TestBenchGraph8B at qwen3-30b-a3b (decode steps, graphs; VARIANTS
 #           picks its kernel variants, default new)
 #   prefill TestBench8B at qwen3-30b-a3b (prefill TFLOP/s, eager decode)
@@ -19,7 +19,7 @@
 #   peak    host memory while loading a bf16 HF directory (qwen3-30b-a3b-8l,
 #           convert --random) onto the GPU: TestLoadPeakHF
 #   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression)
-# TESTS overrides the tests stage's -test.run pattern.
+# TESTS overrides the tests stage's -test.run pattern (TESTS_TIMEOUT its 200 s).
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
 set -u
@@ -36,7 +36,7 @@ t() { # name dir bin timeout run
 	grep -hE '^\s*--- (FAIL|SKIP)|_test.go:[0-9]+: .*(rel|skip|FAIL|mismatch|differ|graphs|rejected|error)' "$O/$1.log" | head -14 | cut -c1-220 | tee -a "$O/run.log"
 }
 if want tests; then
-	t cuda internal/compute/cuda internal.compute.cuda.test 200 "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestKernelsV2}"
+	t cuda internal/compute/cuda internal.compute.cuda.test "${TESTS_TIMEOUT:-200}" "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestKernelsV2}"
 	grep -h "second-generation kernels rejected" "$O/cuda.log" | head -3 | cut -c1-600 | tee -a "$O/run.log"
 fi
 if want rdma && [ -x "$w/mooncake-go" ]; then
@@ -54,9 +54,21 @@ if want extra && [ -n "${EXTRA_TESTS:-}" ]; then
 	done
 fi
 if want vram && left 130 vram; then
-	DUR=3s timeout 120 bash scripts/gpu/tcp-vram.sh >"$O/vram.log" 2>&1
-	log "vram rc $?"
-	tail -12 "$O/vram.log" | tee -a "$O/run.log"
+	if [ -n "${BIN_B:-}" ]; then # A/B: BIN_B (a bundled .xz) against the bundle's CLI, alternately
+		xz -dc "$BIN_B" >"$w/mc-b" && chmod +x "$w/mc-b"
+		for i in 1 2; do
+			for v in "$w/mc-b" "$w/mooncake-go"; do
+				echo "== $(basename "$v") round $i" >>"$O/vram.log"
+				BIN=$v DUR=2s BLOCKS=${BLOCKS:-65536} timeout 60 bash scripts/gpu/tcp-vram.sh >>"$O/vram.log" 2>&1
+			done
+		done
+		log "vram A/B (mc-b: $(basename "$BIN_B"))"
+		grep -E "^==|ratio" "$O/vram.log" | tee -a "$O/run.log"
+	else
+		DUR=3s timeout 120 bash scripts/gpu/tcp-vram.sh >"$O/vram.log" 2>&1
+		log "vram rc $?"
+		tail -12 "$O/vram.log" | tee -a "$O/run.log"
+	fi
 fi
 if want profile && left 120 profile; then
 	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
@@ -96,7 +108,7 @@ if want graph && left 150 graph; then
 	cat "$O/graph-moe.txt" 2>/dev/null | tee -a "$O/run.log"
 fi
 if want pd && left 150 pd; then
-	OUT=$O/pd-8b BACKENDS="tcp nvlink" LENS="100 1000" timeout 150 bash scripts/gpu/pd-tcp.sh >"$O/pd-8b.log" 2>&1
+	OUT=$O/pd-8b BACKENDS=${PD_BACKENDS:-tcp nvlink} LENS=${PD_LENS:-100 1000} timeout 150 bash scripts/gpu/pd-tcp.sh >"$O/pd-8b.log" 2>&1
 	log "pd-tcp 8B rc $?"
 	grep -E "equal colocated|^ttft|FAIL" "$O/pd-8b.log" | tee -a "$O/run.log"
 fi

@@ -100,9 +100,11 @@ func LayoutFor(cfg model.Config, dtype string, pageSize, pages int) kvcache.Layo
 		HeadDim: cfg.HeadDim, ElemBytes: eb, Pages: pages}
 }
 
-// Backend runs a model on one GPU.
+// Backend runs a model on one GPU: all of it, or one tensor-parallel
+// rank's share (shard.go; NewTP).
 type Backend struct {
-	cfg    model.Config
+	cfg    model.Config // the rank's shape (the model's at tp 1)
+	sh     rankShard
 	opts   Options
 	bf16   bool
 	eb     int // bytes per element of T
@@ -147,10 +149,16 @@ type Backend struct {
 // New loads m onto GPU opts.Device. Errors from a missing driver wrap
 // cuda.ErrNoDriver (or cuda.ErrNoDevice); a missing cuBLAS wraps
 // cublas.ErrNoLibrary; a missing NVRTC wraps cuda.ErrNoNVRTC.
-func New(m *model.Model, opts Options) (_ *Backend, err error) {
+func New(m *model.Model, opts Options) (*Backend, error) {
 	if m == nil {
 		return nil, errors.New("cuda backend: no model")
 	}
+	return newRank(m, opts, 1, 0)
+}
+
+// newRank loads rank r of tp's share of m onto GPU opts.Device; its
+// communicator is set before its first pass.
+func newRank(m *model.Model, opts Options, tp, r int) (_ *Backend, err error) {
 	if err := opts.Validate(); err != nil {
 		return nil, err
 	}
@@ -176,7 +184,8 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if opts.MemFraction == 0 {
 		opts.MemFraction = 0.85
 	}
-	b := &Backend{cfg: c, opts: opts, bf16: opts.DType == "bfloat16", lg: opts.Logger}
+	sh, rc := shardOf(c, tp, r)
+	b := &Backend{cfg: rc, sh: sh, opts: opts, bf16: opts.DType == "bfloat16", lg: opts.Logger}
 	if b.lg == nil {
 		b.lg = zap.NewNop()
 	}
@@ -233,8 +242,8 @@ func New(m *model.Model, opts Options) (_ *Backend, err error) {
 	if err = b.uploadWeights(m); err != nil {
 		return nil, err
 	}
-	b.pc = planConfig{pageSize: opts.PageSize, split: b.fn.split, heads: c.Heads, kvHeads: c.KVHeads, headDim: c.HeadDim,
-		dim: c.Dim, hidden: c.HiddenDim, vocab: c.Vocab, eb: b.eb, flash: b.flash && !opts.NoFlashPrefill,
+	b.pc = planConfig{pageSize: opts.PageSize, split: b.fn.split, heads: rc.Heads, kvHeads: rc.KVHeads, headDim: c.HeadDim,
+		dim: c.Dim, hidden: rc.HiddenDim, vocab: c.Vocab, lmExtra: sh.lmExtra(), eb: b.eb, flash: b.flash && !opts.NoFlashPrefill,
 		maxSeqLen: c.MaxSeqLen, partBudget: partBudget}
 	if c.Spec.MLP.MoE && !b.moeCapturable() && !opts.DisableCUDAGraph {
 		// Without the grouped expert GEMMs each MoE block waits for the host.

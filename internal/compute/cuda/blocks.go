@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"unsafe"
@@ -170,6 +171,7 @@ func (b *Backend) moeCapturable() bool { return b.bk.grouped }
 // buffers and the launch shapes that depend on the pass alone.
 type layerPass struct {
 	r           *run
+	cctx        context.Context // the collectives' (never nil)
 	p           *passPlan
 	d           *passBufs
 	slots       cu.DevicePtr
@@ -233,7 +235,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			d.qkv, bias, lp.meta(p.pos), lp.slots, b.ropeTab, b.rope, int32(b.ropeN), int32(c.Heads), int32(c.KVHeads),
 			lp.interleaved)
 	}
-	if hooked && r.err == nil {
+	if hooked && r.err == nil && b.sh.tp == 1 {
 		if err := b.reportLayer(r.s, seqs, li); err != nil {
 			return fmt.Errorf("cuda backend: layer %d: %w", li, err)
 		}
@@ -274,7 +276,15 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
 			d.att, d.part, lp.partML, lp.meta(p.gRow), lp.meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0), win)
 	}
-	r.gemm(d.x, true, d.att, w.wo, n, dim, qd, 1)
+	r.gemm(d.x, true, d.att, w.wo, n, dim, qd, b.sh.resid())
+	b.allReduce(lp)
+	// With tp > 1 the all-reduce ends after every rank's KV writes of the
+	// layer: rank 0 reports there (the other ranks get no layer calls).
+	if hooked && r.err == nil && b.sh.tp > 1 {
+		if err := b.reportLayer(r.s, seqs, li); err != nil {
+			return fmt.Errorf("cuda backend: layer %d: %w", li, err)
+		}
+	}
 	return nil
 }
 
@@ -302,7 +312,8 @@ func (b *Backend) denseMLP(lp *layerPass, w *devLayer) {
 		r.gemm(d.gu, false, d.xb, w.w13, n, 2*hid, dim, 0)
 		r.launch(b.fn.siluMul, cu.Dim3{X: nb, Y: siluBlocks(hid), Z: 1}, cu.D1(siluThreads), 0, d.h, d.gu, int32(hid))
 	}
-	r.gemm(d.x, true, d.h, w.w2, n, dim, hid, 1)
+	r.gemm(d.x, true, d.h, w.w2, n, dim, hid, b.sh.resid())
+	b.allReduce(lp)
 }
 
 // moeBufs are the buffers of the MoE blocks for passes of up to n tokens;
@@ -467,8 +478,12 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	default:
 		b.moeExperts(lp, w, mm)
 	}
+	if b.sh.resid() == 0 && r.err == nil {
+		r.err = r.s.MemsetD8(d.x, 0, uint64(n*dim)*4) // moe_combine adds: the partial sum starts at 0
+	}
 	r.launch(b.bk.moeCombine, cu.Dim3{X: uint32(n), Y: uint32(ceilDiv(dim, 256)), Z: 1}, cu.D1(256), 0, d.x, m.ye.p, mm.rows, mm.wts, sh, gate,
 		int32(stride), int32(K), int32(dim))
+	b.allReduce(lp)
 }
 
 // moeExperts runs each chosen expert's GEMMs over its sorted rows, the

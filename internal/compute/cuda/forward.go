@@ -183,7 +183,7 @@ func (b *Backend) eagerBufs(p *passPlan) (*passBufs, error) {
 }
 
 func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool, job *sampleJob) error {
-	n, _, err := b.check(seqs, out, job == nil)
+	n, _, err := b.check(seqs, out, job == nil && copyLogits)
 	if err != nil || n == 0 {
 		return err
 	}
@@ -393,7 +393,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	dim, hd := c.Dim, c.HeadDim
 	n, m := p.n, p.m
 	r := &run{b: b, s: b.stream}
-	lp := &layerPass{r: r, p: p, d: d, slots: d.meta + cu.DevicePtr(p.slot*8), fused: b.fused(n), sk: b.skinny(n),
+	lp := &layerPass{r: r, cctx: passCtx(ctx), p: p, d: d, slots: d.meta + cu.DevicePtr(p.slot*8), fused: b.fused(n), sk: b.skinny(n),
 		xsmem: uint32(n * dim * 2), vt: rmsVT(dim), scaleLog2: float32(1 / math.Sqrt(float64(hd)) * math.Log2E),
 		div:        float32(math.Sqrt(float64(hd))),
 		layerBytes: cu.DevicePtr(int64(b.layout.Pages) * int64(b.layout.PageBytes())),
@@ -426,20 +426,28 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 			return fmt.Errorf("cuda backend: layer %d: %w", li, r.err)
 		}
 	}
-	if m > 0 && b.fused(m) {
+	if m == 0 {
+		return nil
+	}
+	// The rank's vocabulary rows (all of them at tp 1), gathered after.
+	lg, rows := d.logits, b.sh.vrows
+	if b.sh.tp > 1 {
+		lg = d.logits + cu.DevicePtr(m*c.Vocab*4)
+	}
+	if b.fused(m) {
 		f := b.fn.g2Norm
-		r.launchDep(f, b.g2Grid(f, (c.Vocab+1)/2), cu.D1(g2Threads), uint32(m*dim*2), d.logits, d.x, b.w.norm,
-			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(c.Vocab), int32(dim), lp.vt, c.NormEps)
-		if r.err != nil {
-			return fmt.Errorf("cuda backend: logits: %w", r.err)
-		}
-	} else if m > 0 {
+		r.launchDep(f, b.g2Grid(f, (rows+1)/2), cu.D1(g2Threads), uint32(m*dim*2), lg, d.x, b.w.norm,
+			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps)
+	} else {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsThreads(dim)), 0, d.lx, d.x, b.w.norm, lp.meta(p.lrows), int32(dim),
 			c.NormEps)
-		r.gemm(d.logits, true, d.lx, b.w.lmHead, m, c.Vocab, dim, 0)
-		if r.err != nil {
-			return fmt.Errorf("cuda backend: logits: %w", r.err)
-		}
+		r.gemm(lg, true, d.lx, b.w.lmHead, m, rows, dim, 0)
+	}
+	if b.sh.tp > 1 {
+		b.gatherLogits(lp, d.logits, lg, m)
+	}
+	if r.err != nil {
+		return fmt.Errorf("cuda backend: logits: %w", r.err)
 	}
 	return nil
 }

@@ -23,6 +23,7 @@ type planConfig struct {
 	split                   int // keys per split-K split (ATT_SPLIT)
 	heads, kvHeads, headDim int
 	dim, hidden, vocab      int
+	lmExtra                 int  // logits row room beyond vocab (rankShard.lmExtra)
 	eb                      int  // bytes per element of T
 	flash                   bool // multi-token chunks use the flash prefill kernel
 	maxSeqLen               int
@@ -216,7 +217,7 @@ func (pc *planConfig) scratchFor(p *passPlan) scratchSizes {
 	return scratchSizes{
 		x: n * uint64(pc.dim) * 4, xb: n * uint64(pc.dim) * eb, qkv: n * (qd + 2*kvd) * 4,
 		q: n * qd * eb, att: n * qd * eb, gu: n * uint64(2*pc.hidden) * eb, h: n * uint64(pc.hidden) * eb,
-		lx: m * uint64(pc.dim) * eb, logits: m * uint64(pc.vocab) * 4,
+		lx: m * uint64(pc.dim) * eb, logits: m * uint64(pc.vocab+pc.lmExtra) * 4,
 		part: uint64(p.qchunk) * pc.perQuery(p.nsplit), meta: uint64(p.size),
 	}
 }

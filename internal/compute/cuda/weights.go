@@ -118,6 +118,13 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 	}
 	sp := c.Spec
 	qd, kvd := c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	// The rank's slices of the full tensors (model/shard.go): q, k, v and
+	// their biases by heads, o by their columns; gate and up by rows, down
+	// by columns.
+	sh := &b.sh
+	q0, k0 := sh.qlo*c.HeadDim, sh.klo*c.HeadDim
+	q1, k1 := q0+qd, k0+kvd
+	hlo, hhi := model.Split(sh.full.HiddenDim, sh.tp, sh.rank)
 	w.layers = make([]devLayer, c.Layers)
 	for i := range w.layers {
 		l, h := &w.layers[i], lt(i)
@@ -128,7 +135,7 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 			return err
 		}
 		if sp.Attention.QKVBias {
-			if l.bqkv, err = vec(qd+2*kvd, false, h.QBias, h.KBias, h.VBias); err != nil {
+			if l.bqkv, err = vec(qd+2*kvd, false, rowsOf(h.QBias, q0, q1), rowsOf(h.KBias, k0, k1), rowsOf(h.VBias, k0, k1)); err != nil {
 				return err
 			}
 		}
@@ -140,17 +147,17 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 				return err
 			}
 		}
-		if l.wqkv, err = mat(qd+2*kvd, c.Dim, h.Q, h.K, h.V); err != nil {
+		if l.wqkv, err = mat(qd+2*kvd, c.Dim, rowsOf(h.Q, q0, q1), rowsOf(h.K, k0, k1), rowsOf(h.V, k0, k1)); err != nil {
 			return err
 		}
-		if l.wo, err = mat(c.Dim, qd, h.O); err != nil {
+		if l.wo, err = mat(c.Dim, qd, colsOf(h.O, q0, q1)); err != nil {
 			return err
 		}
 		if !c.MoELayer(i) {
-			if l.w13, err = mat(2*c.HiddenDim, c.Dim, h.Gate, h.Up); err != nil {
+			if l.w13, err = mat(2*c.HiddenDim, c.Dim, rowsOf(h.Gate, hlo, hhi), rowsOf(h.Up, hlo, hhi)); err != nil {
 				return err
 			}
-			if l.w2, err = mat(c.Dim, c.HiddenDim, h.Down); err != nil {
+			if l.w2, err = mat(c.Dim, c.HiddenDim, colsOf(h.Down, hlo, hhi)); err != nil {
 				return err
 			}
 			continue
@@ -163,8 +170,8 @@ func (b *Backend) uploadWeights(m *model.Model) error {
 		return err
 	}
 	if c.TiedEmbedding {
-		w.lmHead = w.embed
-	} else if w.lmHead, err = mat(c.Vocab, c.Dim, m.LMHead); err != nil {
+		w.lmHead = w.embed + cu.DevicePtr(uint64(sh.vlo)*uint64(c.Dim)*eb)
+	} else if w.lmHead, err = mat(sh.vrows, c.Dim, rowsOf(m.LMHead, sh.vlo, sh.vlo+sh.vrows)); err != nil {
 		return err
 	}
 	inv := c.InvFreq()
@@ -196,6 +203,9 @@ func (b *Backend) uploadMoE(c *model.Config, h *model.LayerTensors,
 	mat func(rows, cols int, parts ...*model.Tensor) (cu.DevicePtr, error)) (*devMoE, error) {
 	E, I, S := c.Experts, c.ExpertDim, c.SharedExpertDim
 	shared := c.Spec.MLP.SharedExpert
+	sh := &b.sh
+	elo, ehi := model.Split(sh.full.ExpertDim, sh.tp, sh.rank)
+	slo, shi := model.Split(sh.full.SharedExpertDim, sh.tp, sh.rank)
 	ex := func(i int) model.Expert {
 		if i < len(h.Experts) {
 			return h.Experts[i]
@@ -205,8 +215,8 @@ func (b *Backend) uploadMoE(c *model.Config, h *model.LayerTensors,
 	var gu, down []*model.Tensor
 	for e := 0; e < E; e++ {
 		x := ex(e)
-		gu = append(gu, x.Gate, x.Up)
-		down = append(down, x.Down)
+		gu = append(gu, rowsOf(x.Gate, elo, ehi), rowsOf(x.Up, elo, ehi))
+		down = append(down, colsOf(x.Down, elo, ehi))
 	}
 	rows := E
 	router := []*model.Tensor{h.Router}
@@ -226,10 +236,10 @@ func (b *Backend) uploadMoE(c *model.Config, h *model.LayerTensors,
 		return nil, err
 	}
 	if shared {
-		if mw.sw13, err = mat(2*S, c.Dim, h.Shared.Gate, h.Shared.Up); err != nil {
+		if mw.sw13, err = mat(2*S, c.Dim, rowsOf(h.Shared.Gate, slo, shi), rowsOf(h.Shared.Up, slo, shi)); err != nil {
 			return nil, err
 		}
-		if mw.sw2, err = mat(c.Dim, S, h.Shared.Down); err != nil {
+		if mw.sw2, err = mat(c.Dim, S, colsOf(h.Shared.Down, slo, shi)); err != nil {
 			return nil, err
 		}
 	}
