@@ -28,7 +28,6 @@ func TestServeFlagErrors(t *testing.T) {
 	}{
 		{[]string{"--tp-size", "0"}, "--tp-size 0"},
 		{[]string{"--tp-size", "3"}, "--tp-size 3"},
-		{[]string{"--tp-size", "2", "--device", "cuda"}, "--tp-size 2 --device cuda"},
 		{[]string{"--disaggregation-mode", "both"}, "--disaggregation-mode"},
 		{[]string{"--disaggregation-transfer-backend", "rdma"}, "--disaggregation-transfer-backend rdma"},
 		{[]string{"--disaggregation-transfer-backend", "carrier-pigeon"}, "--disaggregation-transfer-backend"},

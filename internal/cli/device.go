@@ -52,12 +52,6 @@ type backend struct {
 	close  []func() error
 }
 
-// errTPOnGPU refuses --tp-size > 1 on the cuda backend.
-func errTPOnGPU(tp int) error {
-	return fmt.Errorf("--tp-size %d --device cuda: tensor parallelism on GPUs is not implemented yet (it needs the two-GPU work: "+
-		"NCCL refuses two ranks on one device); use --device cpu --tp-size %d, or one server per GPU (--base-gpu-id) behind mooncake-go lb", tp, tp)
-}
-
 // newBackend builds the cpu or cuda backend the flags ask for and registers
 // its KV pools with te.
 func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer.Engine, lg *zap.Logger, reg prometheus.Registerer) (*backend, error) {
@@ -74,10 +68,7 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 		return nil, fmt.Errorf("--tp-size %d: %w", tp, err)
 	}
 	if dev == "cuda" {
-		if tp > 1 {
-			return nil, errTPOnGPU(tp)
-		}
-		return newCUDABackend(ctx, f, m, te, lg)
+		return newCUDABackend(ctx, f, m, te, lg, reg)
 	}
 	if f.dtype == "bfloat16" {
 		return nil, fmt.Errorf("--dtype bfloat16: the cpu backend computes in float32")
@@ -126,36 +117,50 @@ func newBackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer
 	return b, nil
 }
 
-func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer.Engine, lg *zap.Logger) (*backend, error) {
+func newCUDABackend(ctx context.Context, f *serveFlags, m *model.Model, te *transfer.Engine, lg *zap.Logger, reg prometheus.Registerer) (*backend, error) {
+	tp := f.tpSize
+	gpus := fmt.Sprintf("GPU %d", f.baseGPU)
+	if tp > 1 {
+		gpus = fmt.Sprintf("GPUs %d..%d", f.baseGPU, f.baseGPU+tp-1)
+	}
 	if ok, why := gpuPresent(); !ok {
-		return nil, fmt.Errorf("--device cuda: no usable GPU: %s", why)
+		return nil, fmt.Errorf("--device cuda (%s): no usable GPU: %s", gpus, why)
 	}
 	if err := cudabe.Supports(m.Config); err != nil {
 		return nil, fmt.Errorf("--device cuda: %w; use --device cpu", err)
 	}
-	be, err := cudabe.New(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
-		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,
-		RandomWeights: !m.HasWeights(), Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()})
-	if err != nil {
-		return nil, fmt.Errorf("--device cuda (GPU %d): %w", f.baseGPU, err)
+	if n, err := cu.DeviceCount(); err == nil && f.baseGPU+tp > n {
+		return nil, fmt.Errorf("--device cuda --tp-size %d --base-gpu-id %d needs %s; this machine has %d", tp, f.baseGPU, gpus, n)
 	}
-	b := &backend{model: be, layout: be.Layout(), shards: []kvcache.Shard{{Layout: be.Layout()}}, addrs: []uint64{uint64(be.KVBase())},
-		tp: 1, dtype: be.DType(), device: fmt.Sprintf("cuda:%d", f.baseGPU)}
+	be, err := cudabe.NewTP(m, cudabe.Options{Device: f.baseGPU, DType: f.dtype, PageSize: f.pageSize,
+		Pages: pagesFromTokens(f.maxTotalTokens, f.pageSize), MemFraction: f.memFraction, Logger: lg,
+		RandomWeights: !m.HasWeights(), Seed: f.seed, DisableCUDAGraph: f.disableCUDAGraph, CUDAGraphMaxBS: f.graphMaxBS()},
+		cudabe.TPOptions{Size: tp, Registerer: reg})
+	if err != nil {
+		return nil, fmt.Errorf("--device cuda (%s): %w", gpus, err)
+	}
+	b := &backend{model: be, layout: be.Layout(), shards: be.Shards(), tp: tp, dtype: be.DType(),
+		device: fmt.Sprintf("cuda:%d", f.baseGPU)}
 	b.close = append(b.close, be.Close)
 	b.pages = kvcache.NewAllocator(b.layout.Pages)
-	loc := transfer.Location{Kind: transfer.CUDA, Index: f.baseGPU}
-	// A VMM pool is shared by nvlink and staged by tcp for peers on any
-	// machine; memory from cuMemAlloc (no pool) only nvlink reaches, over
-	// legacy IPC, so same-machine peers only.
-	opts := []transfer.RegisterOption{transfer.WithScope(transfer.ScopeSameMachine)}
-	if p := be.KVPool(); p != nil {
-		opts = []transfer.RegisterOption{transfer.WithMemory(p)}
+	for r, rk := range be.Ranks() {
+		gpu := be.Devices()[r]
+		loc := transfer.Location{Kind: transfer.CUDA, Index: gpu}
+		// A VMM pool is shared by nvlink and staged by tcp for peers on any
+		// machine; memory from cuMemAlloc (no pool) only nvlink reaches,
+		// over legacy IPC, so same-machine peers only.
+		opts := []transfer.RegisterOption{transfer.WithScope(transfer.ScopeSameMachine)}
+		if p := rk.KVPool(); p != nil {
+			opts = []transfer.RegisterOption{transfer.WithMemory(p)}
+		}
+		base := rk.KVBase()
+		if err := te.RegisterMemory(ctx, uintptr(base), rk.KVSize(), loc, transfer.AccessReadWrite, opts...); err != nil {
+			b.shutdown(lg)
+			return nil, fmt.Errorf("register the KV pool of tp rank %d (GPU %d): %w", r, gpu, err)
+		}
+		b.addrs = append(b.addrs, uint64(base))
+		b.close = append(b.close, func() error { return te.UnregisterMemory(context.Background(), uintptr(base)) })
 	}
-	if err := te.RegisterMemory(ctx, uintptr(be.KVBase()), be.KVSize(), loc, transfer.AccessReadWrite, opts...); err != nil {
-		b.shutdown(lg)
-		return nil, fmt.Errorf("register the GPU KV pool: %w", err)
-	}
-	b.close = append(b.close, func() error { return te.UnregisterMemory(context.Background(), uintptr(be.KVBase())) })
 	return b, nil
 }
 

@@ -126,7 +126,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	f.secretFlags.register(fl)
 	fl.DurationVar(&f.timeout, "transfer-timeout", 5*time.Second, "bound on one transfer batch")
 	fl.IntVar(&f.baseGPU, "base-gpu-id", 0, "first GPU to use")
-	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel ranks (cpu: ranks of this process sharing --threads; cuda: only 1)")
+	fl.IntVar(&f.tpSize, "tp-size", 1, "tensor parallel ranks (cpu: ranks of this process sharing --threads; cuda: GPUs --base-gpu-id onwards, one rank each, NCCL between them)")
 	fl.IntVar(&f.tpSize, "tp", 1, "same as --tp-size")
 	fl.IntVar(&f.tpSize, "tensor-parallel-size", 1, "same as --tp-size")
 	_ = fl.MarkHidden("tensor-parallel-size")
@@ -171,9 +171,6 @@ func (f *serveFlags) validate(lg *zap.Logger) error {
 	}
 	if f.tpSize < 1 || f.tpSize > maxTP {
 		return fmt.Errorf("--tp-size %d: want 1 to %d ranks", f.tpSize, maxTP)
-	}
-	if f.tpSize > 1 && f.device == "cuda" {
-		return errTPOnGPU(f.tpSize)
 	}
 	switch {
 	case f.dpSize < 1 || f.dpSize > 64:

@@ -192,7 +192,7 @@ func TestSGLangFlagsProcess(t *testing.T) {
 		want string
 	}{
 		{[]string{"--tp", "3"}, "8 attention heads do not split over 3 ranks"},
-		{[]string{"--tp", "2", "--device", "cuda"}, "tensor parallelism on GPUs is not implemented"},
+		{[]string{"--tp", "2", "--device", "cuda", "--base-gpu-id", "1000"}, "GPUs 1000..1001"},
 		{[]string{"--dp-size", "2", "--disaggregation-mode", "prefill"}, "run 2 prefill servers"},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // a serve that starts instead runs until killed
