@@ -17,6 +17,9 @@ import (
 // host memory (tcp), without importing this package.
 var _ transfer.DeviceMemory = (*Pool)(nil)
 
+// copySpin is how long a Wait polls without sleeping.
+const copySpin = 200 * time.Microsecond
+
 // copyStreams is how many streams a pool copies on per direction: copies
 // are spread over them in turn, so one caller's long run of copies does
 // not queue every other caller's behind it.
@@ -142,9 +145,11 @@ func (p *Pool) enqueue(what string, dev uint64, n int, copyFn func(*Stream) erro
 	return &poolCompletion{c: c, ev: ev, what: what, n: n, dev: dev, gpu: int(p.ctx.dev)}, nil
 }
 
-// poolCompletion polls its event: a copy of a staging chunk takes tens of
-// microseconds, so a short backoff (at most 50 µs between polls) costs
-// little and needs no goroutine.
+// poolCompletion polls its event: first back to back for up to copySpin
+// (a copy of a staging chunk ends within tens of microseconds, and a Go
+// timer of a few microseconds sleeps about a millisecond: a staged 64 KiB
+// stream waited on that, its staging full), then with a backoff (at most
+// 50 µs between polls) that needs no goroutine.
 type poolCompletion struct {
 	c    *poolCopies
 	ev   *Event // nil once the copy ended
@@ -160,6 +165,7 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 		return pc.res
 	}
 	sleep := time.Duration(0)
+	spinEnd := time.Now().Add(copySpin)
 	var t *time.Timer
 	defer func() {
 		if t != nil {
@@ -183,6 +189,10 @@ func (pc *poolCompletion) Wait(ctx context.Context) error {
 		}
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		if time.Now().Before(spinEnd) {
+			runtime.Gosched()
+			continue
 		}
 		switch {
 		case sleep == 0:
