@@ -18,7 +18,7 @@
 #           of one eager decode step at batch 1 and at batch 32
 #   peak    host memory while loading a bf16 HF directory (qwen3-30b-a3b-8l,
 #           convert --random) onto the GPU: TestLoadPeakHF
-#   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression)
+#   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression; DENSE_VARIANTS, DENSE_TIMEOUT)
 # TESTS overrides the tests stage's -test.run pattern (TESTS_TIMEOUT its 200 s).
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
@@ -100,9 +100,9 @@ for ph, ks in acc.items():
         print(f'  {v[1]*sc:8.3f} ms {100*v[1]/tot:5.1f}% {v[0]:5d}x {1000*v[1]*sc/v[0]:7.2f} us/launch {k}')
 PY
 fi
-if want graph && left 150 graph; then
+if want graph && left ${GRAPH_TIMEOUT:-150} graph; then
 	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=${VARIANTS:-new} \
-		BENCH_OUT=$O/graph-moe.txt timeout 220 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-moe.log" 2>&1
+		BENCH_OUT=$O/graph-moe.txt timeout ${GRAPH_TIMEOUT:-220} "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-moe.log" 2>&1
 	log "graph qwen3-30b-a3b rc $?"
 	grep -hE "loaded|FAIL|panic|captured" "$O/graph-moe.log" | head -4 | cut -c1-300 | tee -a "$O/run.log"
 	cat "$O/graph-moe.txt" 2>/dev/null | tee -a "$O/run.log"
@@ -128,8 +128,8 @@ if want peak && left 150 peak; then
 	grep -hE "host peak|FAIL|panic" "$O/peak.log" | cut -c1-400 | tee -a "$O/run.log"
 	rm -rf "$d"
 fi
-if want dense && left 80 dense; then
-	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_VARIANTS=new BENCH_OUT=$O/graph-8b.txt timeout 80 \
+if want dense && left ${DENSE_TIMEOUT:-80} dense; then
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_VARIANTS=${DENSE_VARIANTS:-new} BENCH_OUT=$O/graph-8b.txt timeout ${DENSE_TIMEOUT:-80} \
 		"$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-8b.log" 2>&1
 	log "graph llama3-8b rc $?"
 	cat "$O/graph-8b.txt" 2>/dev/null | tee -a "$O/run.log"
