@@ -31,20 +31,45 @@ __device__ __forceinline__ float rt(float v) {
 	return v;
 #endif
 }
-__device__ __forceinline__ void ld8(const T *p, float *o) {
+// w8_t is 8 consecutive T as loaded (16 bytes of bf16, 32 of float), kept
+// so until used: weights in flight then take 4 registers a chunk in bf16,
+// not 8. ldw8 loads one (aligned), cvt8 widens it.
 #if USE_BF16
-	uint4 a = *(const uint4 *)p;
+typedef uint4 w8_t;
+__device__ __forceinline__ w8_t ldw8(const T *p) { return *(const uint4 *)p; }
+__device__ __forceinline__ w8_t zw8() {
+	uint4 z;
+	z.x = z.y = z.z = z.w = 0u;
+	return z;
+}
+__device__ __forceinline__ void cvt8(w8_t a, float *o) {
 	u32 w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
 	for (int i = 0; i < 4; i++) {
 		o[2 * i] = __uint_as_float(w[i] << 16);
 		o[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
 	}
-#else
-	float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
-	o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
-#endif
 }
+#else
+struct w8_t {
+	float4 a, b;
+};
+__device__ __forceinline__ w8_t ldw8(const T *p) {
+	w8_t r;
+	r.a = *(const float4 *)p;
+	r.b = *(const float4 *)(p + 4);
+	return r;
+}
+__device__ __forceinline__ w8_t zw8() {
+	w8_t r;
+	r.a.x = r.a.y = r.a.z = r.a.w = r.b.x = r.b.y = r.b.z = r.b.w = 0.f;
+	return r;
+}
+__device__ __forceinline__ void cvt8(w8_t r, float *o) {
+	o[0] = r.a.x, o[1] = r.a.y, o[2] = r.a.z, o[3] = r.a.w, o[4] = r.b.x, o[5] = r.b.y, o[6] = r.b.z, o[7] = r.b.w;
+}
+#endif
+__device__ __forceinline__ void ld8(const T *p, float *o) { cvt8(ldw8(p), o); }
 
 // qk_norm: for token t (grid x) and head h (grid y) of a row of qkv (fp32:
 // nheads q heads, nkv k heads, nkv v heads of HEAD_DIM each), adds the
@@ -317,24 +342,20 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 #pragma unroll
 		for (int j = 0; j < GEMV_T; j++) acc[0][j] = acc[1][j] = 0.f;
 		for (int base = 0; base < in; base += 4 * 256) {
-			float wv[2][4][8];
+			w8_t wv[2][4];
 #pragma unroll
 			for (int u = 0; u < 4; u++) {
 				int c = base + u * 256 + lane * 8;
 #pragma unroll
-				for (int q = 0; q < nrow; q++) {
-					if (c < in) {
-						ld8((q ? w1 : w0) + c, wv[q][u]);
-					} else {
-#pragma unroll
-						for (int i = 0; i < 8; i++) wv[q][u][i] = 0.f;
-					}
-				}
+				for (int q = 0; q < nrow; q++) wv[q][u] = c < in ? ldw8((q ? w1 : w0) + c) : zw8();
 			}
 #pragma unroll
 			for (int u = 0; u < 4; u++) {
 				int c = base + u * 256 + lane * 8;
 				if (c >= in) break;
+				float wf[2][8];
+#pragma unroll
+				for (int q = 0; q < nrow; q++) cvt8(wv[q][u], wf[q]);
 #pragma unroll
 				for (int j = 0; j < GEMV_T; j++) {
 					if (j < nt) {
@@ -343,7 +364,7 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 #pragma unroll
 						for (int q = 0; q < nrow; q++)
 #pragma unroll
-							for (int i = 0; i < 8; i++) acc[q][j] = fmaf(wv[q][u][i], xv[i], acc[q][j]);
+							for (int i = 0; i < 8; i++) acc[q][j] = fmaf(wf[q][i], xv[i], acc[q][j]);
 					}
 				}
 			}
