@@ -8,8 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 
 	"github.com/mooncake-go/mooncake-go/internal/engine"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
@@ -190,15 +189,15 @@ func TestReshardTP(t *testing.T) {
 			var ideal int64
 			for r, rk := range ds.info.Ranks {
 				share := int64(rk.Layout.KVHeads) * 2 * 4 * int64(rk.Layout.HeadBytes()) * int64(cfg.Layers) * (prompt + 3) / 4
-				if got := counter(d.m.rankBytes.WithLabelValues(fmt.Sprint(r))); got != float64(share) {
+				if got := sharedtest.Counter(d.m.rankBytes.WithLabelValues(fmt.Sprint(r))); got != float64(share) {
 					t.Errorf("decode rank %d received %v KV bytes, its share is %d", r, got, share)
 				}
 				ideal += share
 			}
-			if got := counter(d.m.xferBytes); got != float64(ideal) {
+			if got := sharedtest.Counter(d.m.xferBytes); got != float64(ideal) {
 				t.Errorf("%v KV bytes moved, the ideal is %d", got, ideal)
 			}
-			if got := counter(p.m.xferBytes); got != float64(ideal) {
+			if got := sharedtest.Counter(p.m.xferBytes); got != float64(ideal) {
 				t.Errorf("the prefill pushed %v KV bytes, the ideal is %d", got, ideal)
 			}
 			if err := pl.Table.Release(); err != nil {
@@ -257,12 +256,4 @@ func TestCheckRanks(t *testing.T) {
 		c.edit(&peer)
 		mustContain(t, info(1).Check(peer), c.wants...)
 	}
-}
-
-func counter(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		panic(err)
-	}
-	return m.GetCounter().GetValue()
 }

@@ -9,8 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/mooncake-go/mooncake-go/internal/collective"
 	"github.com/mooncake-go/mooncake-go/internal/compute"
@@ -141,7 +141,7 @@ func TestRankFails(t *testing.T) {
 	if !strings.Contains(err.Error(), "tp rank 2") {
 		t.Fatalf("error %q does not name the rank", err)
 	}
-	if v := counter(b.m.Failures.WithLabelValues("2")); v != 1 {
+	if v := sharedtest.Counter(b.m.Failures.WithLabelValues("2")); v != 1 {
 		t.Fatalf("rank 2 failures = %v", v)
 	}
 	if err := b.Forward(context.Background(), seq, out); err != nil {
@@ -154,7 +154,7 @@ func TestRankFails(t *testing.T) {
 	if d := maxAbsDiff(out[0], want[0]); d > 1e-5 {
 		t.Fatalf("logits after the failure %g off tp 1's", d)
 	}
-	if v := counter(b.m.Forward.WithLabelValues("3")); v <= 0 {
+	if v := sharedtest.Counter(b.m.Forward.WithLabelValues("3")); v <= 0 {
 		t.Fatalf("rank 3 forward seconds %v", v)
 	}
 	// A context that ends stops every rank.
@@ -203,12 +203,4 @@ func TestTPShapes(t *testing.T) {
 			t.Errorf("%d pools: %v, want %q", len(c.pools), err, c.want)
 		}
 	}
-}
-
-func counter(c prometheus.Counter) float64 {
-	var m dto.Metric
-	if err := c.Write(&m); err != nil {
-		panic(err)
-	}
-	return m.GetCounter().GetValue()
 }

@@ -19,10 +19,18 @@ import (
 // or cuBLAS is found.
 func newOrSkip(tb testing.TB, m *model.Model, o Options) *Backend {
 	tb.Helper()
+	return loadOrSkip(tb, &o, func(o Options) (*Backend, error) { return New(m, o) })
+}
+
+// loadOrSkip makes a model with load (the test's kernel cache set in o),
+// skipping the test when no GPU, driver, NVRTC or cuBLAS is found, and
+// closes it when the test ends.
+func loadOrSkip[B interface{ Close() error }](tb testing.TB, o *Options, load func(Options) (B, error)) B {
+	tb.Helper()
 	if o.KernelCache.CacheDir == "" {
 		o.KernelCache.CacheDir = filepath.Join(os.TempDir(), "mooncake-kernels-test")
 	}
-	b, err := New(m, o)
+	b, err := load(*o)
 	if err != nil {
 		if errors.Is(err, cu.ErrNoDriver) || errors.Is(err, cu.ErrNoDevice) || errors.Is(err, cu.ErrNoNVRTC) ||
 			errors.Is(err, cublas.ErrNoLibrary) {

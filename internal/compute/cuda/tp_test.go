@@ -4,23 +4,20 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
-	dto "github.com/prometheus/client_model/go"
 
 	"github.com/mooncake-go/mooncake-go/internal/collective"
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/compute/computetest"
-	"github.com/mooncake-go/mooncake-go/internal/cublas"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/model"
+	"github.com/mooncake-go/mooncake-go/internal/sharedtest"
 )
 
 // stagedComm is a communicator for tensor-parallel ranks that share one
@@ -122,9 +119,6 @@ func (c *stagedComm) Close() error {
 // newTPOrSkip loads m over tp ranks sharing GPU 0.
 func newTPOrSkip(tb testing.TB, m *model.Model, o Options, tp int, to TPOptions) *TP {
 	tb.Helper()
-	if o.KernelCache.CacheDir == "" {
-		o.KernelCache.CacheDir = filepath.Join(os.TempDir(), "mooncake-kernels-test")
-	}
 	to.Size = tp
 	if to.Devices == nil {
 		to.Devices = make([]int, tp)
@@ -132,20 +126,7 @@ func newTPOrSkip(tb testing.TB, m *model.Model, o Options, tp int, to TPOptions)
 	if to.Comms == nil {
 		to.Comms = stagedComms(nil)
 	}
-	b, err := NewTP(m, o, to)
-	if err != nil {
-		if errors.Is(err, cu.ErrNoDriver) || errors.Is(err, cu.ErrNoDevice) || errors.Is(err, cu.ErrNoNVRTC) ||
-			errors.Is(err, cublas.ErrNoLibrary) {
-			tb.Skipf("no usable GPU: %v", err)
-		}
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() {
-		if err := b.Close(); err != nil {
-			tb.Error(err)
-		}
-	})
-	return b
+	return loadOrSkip(tb, &o, func(o Options) (*TP, error) { return NewTP(m, o, to) })
 }
 
 // TestStories260KTP: stories260K (8 heads, 4 KV heads) over 1, 2, 4 and 8
@@ -280,7 +261,7 @@ func TestTPRankFails(t *testing.T) {
 	if !errors.As(err, &re) || re.Rank != 1 || !errors.Is(err, errInjected) {
 		t.Fatalf("pass with a failing rank 1: %v, want a RankError of rank 1 wrapping the injected failure", err)
 	}
-	if v := counterValue(t, reg, "mooncake_tp_failures_total", "1"); v != 1 {
+	if v := sharedtest.Counter(b.met.Failures.WithLabelValues("1")); v != 1 {
 		t.Errorf("failures of tp_rank 1 = %v, want 1", v)
 	}
 	for range 2 {
@@ -291,38 +272,9 @@ func TestTPRankFails(t *testing.T) {
 			t.Fatalf("logits after the failure %g off llama2.c's", d)
 		}
 	}
-	if v := counterValue(t, reg, "mooncake_tp_forward_seconds_total", "1"); v <= 0 {
+	if v := sharedtest.Counter(b.met.Forward.WithLabelValues("1")); v <= 0 {
 		t.Errorf("forward seconds of tp_rank 1 = %v", v)
 	}
-}
-
-func counterValue(t *testing.T, reg *prometheus.Registry, name, rank string) float64 {
-	t.Helper()
-	mfs, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			if labelIs(m, "tp_rank", rank) {
-				return m.GetCounter().GetValue()
-			}
-		}
-	}
-	t.Fatalf("no %s{tp_rank=%q}", name, rank)
-	return 0
-}
-
-func labelIs(m *dto.Metric, name, v string) bool {
-	for _, l := range m.GetLabel() {
-		if l.GetName() == name {
-			return l.GetValue() == v
-		}
-	}
-	return false
 }
 
 // TestTPRefused: shapes that do not split are refused before any GPU work.
