@@ -11,6 +11,9 @@ import (
 //
 //	request  (32 bytes): 'M' 'T' version op | flags u32 | id u64 | addr u64 | len u64
 //	                     then len bytes of payload for a write
+//	vector request: flags = flagVector, addr = k entries, len = their total;
+//	                     then k entries (addr u64 | len u64), then for a
+//	                     write the entries' payloads, concatenated
 //	response (24 bytes): 'M' 'R' version status | flags u32 | id u64 | len u64
 //	                     then len bytes: the data of a read (status ok), the
 //	                     error text (status != ok), nothing for a write ack
@@ -27,6 +30,12 @@ const (
 	MaxChunk = 16 << 20
 	// maxErrText caps the error text of a failure response.
 	maxErrText = 4096
+
+	// flagVector marks a vector request: several ranges of one op.
+	flagVector = 1
+	// maxVector is the most entries one vector request may carry.
+	maxVector = 256
+	entrySize = 16
 )
 
 // Response status codes.
@@ -77,16 +86,59 @@ func parseReq(b []byte) (reqHeader, error) {
 	if h.op != opWrite && h.op != opRead {
 		return h, fmt.Errorf("%w: request %d: op %d", errFrame, h.id, h.op)
 	}
-	if h.flags != 0 {
+	if h.flags != 0 && h.flags != flagVector {
 		return h, fmt.Errorf("%w: request %d: unknown flags %#x", errFrame, h.id, h.flags)
 	}
 	if h.len == 0 || h.len > MaxChunk {
 		return h, fmt.Errorf("%w: request %d: length %d not in [1, %d]", errFrame, h.id, h.len, MaxChunk)
 	}
+	if h.vector() {
+		if h.addr == 0 || h.addr > maxVector {
+			return h, fmt.Errorf("%w: request %d: %d entries not in [1, %d]", errFrame, h.id, h.addr, maxVector)
+		}
+		return h, nil
+	}
 	if h.addr+h.len < h.addr {
 		return h, fmt.Errorf("%w: request %d: range [%#x, +%d) wraps around", errFrame, h.id, h.addr, h.len)
 	}
 	return h, nil
+}
+
+// vector reports a vector request: addr is its entry count.
+func (h *reqHeader) vector() bool { return h.flags == flagVector }
+
+// entry is one range of a vector request.
+type entry struct{ addr, len uint64 }
+
+// putEntries encodes es after a vector request's header.
+func putEntries(b []byte, es []entry) {
+	for i, e := range es {
+		binary.LittleEndian.PutUint64(b[i*entrySize:], e.addr)
+		binary.LittleEndian.PutUint64(b[i*entrySize+8:], e.len)
+	}
+}
+
+// parseEntries decodes and validates the entries of vector request h (b
+// holds h.addr entries) into es: every length at least 1, no range wrapping
+// around, the lengths summing to h.len. The error names the entry.
+func parseEntries(h reqHeader, b []byte, es []entry) ([]entry, error) {
+	es = es[:0]
+	left := h.len
+	for i := range int(h.addr) {
+		e := entry{binary.LittleEndian.Uint64(b[i*entrySize:]), binary.LittleEndian.Uint64(b[i*entrySize+8:])}
+		switch {
+		case e.len == 0 || e.len > left:
+			return es, fmt.Errorf("%w: request %d: entry %d: length %d not in [1, %d] (the rest of the total %d)", errFrame, h.id, i, e.len, left, h.len)
+		case e.addr+e.len < e.addr:
+			return es, fmt.Errorf("%w: request %d: entry %d: range [%#x, +%d) wraps around", errFrame, h.id, i, e.addr, e.len)
+		}
+		left -= e.len
+		es = append(es, e)
+	}
+	if left != 0 {
+		return es, fmt.Errorf("%w: request %d: entries sum to %d, the header says %d", errFrame, h.id, h.len-left, h.len)
+	}
+	return es, nil
 }
 
 type respHeader struct {

@@ -29,6 +29,9 @@ type peer struct {
 	lanes []*lane
 	// stagingChunk bounds requests to the peer's device regions.
 	stagingChunk uint64
+	// vector is the most pieces one request to the peer may carry (below
+	// 2: the peer takes single requests only).
+	vector int
 
 	closing atomic.Bool
 }
@@ -49,8 +52,13 @@ func (t *Transport) peerFor(d *transfer.Descriptor) (*peer, error) {
 	old := p
 	p = &peer{t: t, name: d.Name, inc: d.Incarnation, ready: make(chan struct{}), stagingChunk: defaultStagingChunk}
 	var inf info
-	if json.Unmarshal(d.Transports[Name], &inf) == nil && inf.StagingChunk > 0 {
-		p.stagingChunk = uint64(min(inf.StagingChunk, MaxChunk))
+	if json.Unmarshal(d.Transports[Name], &inf) == nil {
+		if inf.StagingChunk > 0 {
+			p.stagingChunk = uint64(min(inf.StagingChunk, MaxChunk))
+		}
+		if !t.cfg.NoVectors {
+			p.vector = min(inf.Vector, maxVector)
+		}
 	}
 	t.peers[d.Name] = p
 	t.wg.Add(1)
@@ -170,9 +178,12 @@ func (p *peer) close(err error) {
 	}
 }
 
-// piece is one request on the wire: a whole task or one chunk of it.
+// piece is one request on the wire: a whole task or one chunk of it, or a
+// vector of such pieces.
 type piece struct {
 	hdr    [reqSize]byte
+	vec    []*piece // a vector request's pieces, in entry order
+	ents   []byte   // their entries, sent after hdr
 	op     uint8
 	local  uint64
 	remote uint64
@@ -199,6 +210,12 @@ type split struct {
 // finish ends the piece. A split task is done when its last piece is, with
 // the first error: until then other pieces may still touch its memory.
 func (pc *piece) finish(err error) {
+	for _, m := range pc.vec {
+		m.finish(err)
+	}
+	if pc.vec != nil {
+		return
+	}
 	sp := pc.split
 	if sp == nil {
 		pc.task.Done(err)
@@ -219,10 +236,33 @@ func (pc *piece) finish(err error) {
 	}
 }
 
+// entries are the piece's local ranges, in the order its bytes go on the
+// wire.
+func (pc *piece) entries() []entry {
+	if pc.vec == nil {
+		return []entry{{pc.local, pc.n}}
+	}
+	es := make([]entry, len(pc.vec))
+	for i, m := range pc.vec {
+		es[i] = entry{m.local, m.n}
+	}
+	return es
+}
+
+// what names a staged read's local memory in error text.
+func (pc *piece) what() string {
+	if pc.vec == nil {
+		return fmt.Sprintf("%d bytes into %#x", pc.n, pc.local)
+	}
+	return fmt.Sprintf("%d bytes in %d pieces into %#x..", pc.n, len(pc.vec), pc.vec[0].local)
+}
+
 // dispatch splits tasks into pieces (a page-list task into its pages, and
 // anything over the chunk size into chunks; pieces of device memory, on
-// either side, at most one staging chunk) and hands them to the least
-// loaded lanes.
+// either side, at most one staging chunk), coalesces consecutive pieces of
+// one op, local memory and remote region into vector requests of at most
+// a chunk (if the peer takes them), and hands them to the least loaded
+// lanes.
 func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Task) {
 	if p.err != nil {
 		failAll(tasks, p.err)
@@ -235,6 +275,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 	}
 	plans := make([]plan, 0, len(tasks))
 	n := 0
+	var total uint64
 	for _, tk := range tasks {
 		dev, err := deviceOf(tk.LocalRegion)
 		if err != nil {
@@ -250,15 +291,18 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		}
 		plans = append(plans, plan{tk: tk, dev: dev, chunk: chunk})
 		n += piecesOf(tk, chunk)
+		total += tk.Bytes()
 	}
+	// A vector is at most a chunk, and small enough that the batch still
+	// spreads over every lane.
+	spread := max(total/uint64(len(p.lanes)), 1)
 	pieces := make([]piece, n)
 	perLane := make([][]*piece, len(p.lanes))
 	load := make([]int64, len(p.lanes))
 	for i, l := range p.lanes {
 		load[i] = l.load.Load()
 	}
-	k := 0
-	add := func(pc *piece) {
+	send := func(pc *piece) {
 		best := 0
 		for i := range load {
 			if load[i] < load[best] {
@@ -267,6 +311,47 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 		}
 		load[best] += int64(pc.n) + reqSize
 		perLane[best] = append(perLane[best], pc)
+	}
+	// The vector being built: grp[g:] of pieces of key, sum bytes.
+	type key struct {
+		op  uint8
+		dev transfer.DeviceMemory
+		rem *transfer.RegionInfo
+	}
+	var (
+		grp  = make([]*piece, 0, n)
+		g    int
+		sum  uint64
+		gk   key
+		gmax uint64
+	)
+	flush := func() {
+		switch vs := grp[g:len(grp):len(grp)]; len(vs) {
+		case 0:
+		case 1:
+			send(vs[0])
+		default:
+			v := &piece{op: gk.op, n: sum, ctx: ctx, dev: gk.dev, vec: vs, ents: make([]byte, len(vs)*entrySize)}
+			for i, m := range vs {
+				binary.LittleEndian.PutUint64(v.ents[i*entrySize:], m.remote)
+				binary.LittleEndian.PutUint64(v.ents[i*entrySize+8:], m.n)
+			}
+			send(v)
+		}
+		g, sum = len(grp), 0
+	}
+	k := 0
+	add := func(pc *piece, pk key, chunk uint64) {
+		if p.vector < 2 {
+			send(pc)
+			return
+		}
+		if pk != gk || len(grp)-g >= p.vector || sum+pc.n > gmax {
+			flush()
+		}
+		gk, gmax = pk, min(chunk, spread)
+		grp = append(grp, pc)
+		sum += pc.n
 	}
 	for _, pl := range plans {
 		tk, chunk := pl.tk, pl.chunk
@@ -283,7 +368,7 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 			for off := uint64(0); off < tk.Len; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + off, remote: tk.Remote + off, n: min(chunk, tk.Len-off),
 					task: tk, split: sp, ctx: ctx, dev: pl.dev}
-				add(&pieces[k])
+				add(&pieces[k], key{op, pl.dev, tk.Region}, chunk)
 				k++
 			}
 			continue
@@ -292,11 +377,12 @@ func (t *Transport) dispatch(ctx context.Context, p *peer, tasks []*transfer.Tas
 			for off := uint64(0); off < tk.List.PageLen; off += chunk {
 				pieces[k] = piece{op: op, local: tk.Local + pg.Local + off, remote: tk.Remote + pg.Remote + off,
 					n: min(chunk, tk.List.PageLen-off), task: tk, split: sp, ctx: ctx, dev: pl.dev}
-				add(&pieces[k])
+				add(&pieces[k], key{op, pl.dev, tk.Region}, chunk)
 				k++
 			}
 		}
 	}
+	flush()
 	for i, l := range p.lanes {
 		if len(perLane[i]) > 0 {
 			l.enqueue(perLane[i])
@@ -499,7 +585,11 @@ build:
 			}
 		}
 		l.next++
-		(&reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}).put(pc.hdr[:])
+		h := reqHeader{op: pc.op, id: l.next, addr: pc.remote, len: pc.n}
+		if pc.vec != nil {
+			h.flags, h.addr = flagVector, uint64(len(pc.vec))
+		}
+		h.put(pc.hdr[:])
 		if pc.slot == nil {
 			// A staged write enters inflight once its bytes are staged.
 			l.inflight[l.next] = pc
@@ -543,19 +633,16 @@ func (l *lane) stage(batch []*piece) {
 		if pc.slot == nil {
 			continue
 		}
-		c, err := pc.dev.CopyToHost(pc.slot.b, pc.local)
-		if err != nil {
-			pc.wait = failed{fmt.Errorf("tcp: staging %d bytes at %#x for %s: %w", pc.n, pc.local, l.p.name, err)}
-			continue
-		}
-		pc.wait = c
+		b := pc.slot.b
+		pc.wait = copyRuns(pc.entries(), func(addr, off, n uint64) (transfer.Completion, error) {
+			c, err := pc.dev.CopyToHost(b[off:off+n], addr)
+			if err != nil {
+				err = fmt.Errorf("tcp: staging %d bytes at %#x for %s: %w", n, addr, l.p.name, err)
+			}
+			return c, err
+		})
 	}
 }
-
-// failed is a Completion that failed before it started.
-type failed struct{ err error }
-
-func (f failed) Wait(context.Context) error { return f.err }
 
 // send writes the batch with vectored writes; before a staged write it
 // sends what came before and waits for the piece's copy. A piece whose copy
@@ -590,13 +677,22 @@ func (l *lane) send(batch []*piece, bufs net.Buffers) error {
 				continue
 			}
 			slots = append(slots, pc.slot)
-			bufs = append(bufs, pc.hdr[:], pc.slot.b)
+			bufs = append(bufs, pc.hdr[:])
+			if pc.ents != nil {
+				bufs = append(bufs, pc.ents)
+			}
+			bufs = append(bufs, pc.slot.b)
 			pc.slot, pc.wait = nil, nil
 			continue
 		}
 		bufs = append(bufs, pc.hdr[:])
+		if pc.ents != nil {
+			bufs = append(bufs, pc.ents)
+		}
 		if pc.op == opWrite {
-			bufs = append(bufs, mem(pc.local, pc.n))
+			for _, e := range pc.entries() {
+				bufs = append(bufs, mem(e.addr, e.len))
+			}
 		}
 	}
 	return flush()
@@ -732,7 +828,11 @@ func (l *lane) readLoop() {
 				// reused, so drop the data.
 				_, err = l.br.Discard(int(want))
 			} else {
-				err = readPayload(l.br, l.conn, mem(pc.local, want))
+				for _, e := range pc.entries() {
+					if err = readPayload(l.br, l.conn, mem(e.addr, e.len)); err != nil {
+						break
+					}
+				}
 			}
 			if err != nil {
 				err = l.deadErr("receive", err)
@@ -767,15 +867,10 @@ func (l *lane) receiveStaged(pc *piece) error {
 func (l *lane) copyLoop() {
 	defer close(l.fin)
 	for pc := range l.cpq {
-		slot := pc.slot
-		c, err := pc.dev.CopyFromHost(pc.local, slot.b)
-		if err != nil {
-			pc.slot = nil
-			l.st.put(fromWire, slot)
-			pc.finish(fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err))
-			continue
-		}
-		pc.wait = c
+		b := pc.slot.b
+		pc.wait = copyRuns(pc.entries(), func(addr, off, n uint64) (transfer.Completion, error) {
+			return pc.dev.CopyFromHost(addr, b[off:off+n])
+		})
 		l.fin <- pc // blocks only while the finisher catches up
 	}
 }
@@ -787,7 +882,7 @@ func (l *lane) finishLoop() {
 		pc.slot, pc.wait = nil, nil
 		err := c.Wait(pc.ctx)
 		if err != nil && pc.ctx.Err() != nil && !errors.Is(err, transfer.ErrDeviceCopy) {
-			cerr := fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err)
+			cerr := fmt.Errorf("tcp: %s from %s: %w", pc.what(), l.p.name, err)
 			l.st.settle(fromWire, slot, c, l.tmo, func(_ error, ended bool) {
 				if ended {
 					pc.finish(cerr)
@@ -797,7 +892,7 @@ func (l *lane) finishLoop() {
 		}
 		l.st.put(fromWire, slot)
 		if err != nil {
-			err = fmt.Errorf("tcp: %d bytes from %s into %#x: %w", pc.n, l.p.name, pc.local, err)
+			err = fmt.Errorf("tcp: %s from %s: %w", pc.what(), l.p.name, err)
 		}
 		pc.finish(err)
 	}

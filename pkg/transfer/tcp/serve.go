@@ -34,7 +34,9 @@ type holdFunc func(addr, n uint64, need transfer.Access) (*transfer.Region, erro
 type response struct {
 	hdr     [respSize]byte
 	payload []byte
-	hold    *transfer.Region // released once the payload is written
+	vec     [][]byte           // a vector read from host memory: the entries' bytes, after payload
+	hold    *transfer.Region   // released once the payload is written
+	holds   []*transfer.Region // a vector's, released with hold
 
 	// A staged response waits for its device copy before it is written:
 	// a read's payload is the slot, a write's ack is sent once the slot's
@@ -47,6 +49,22 @@ type response struct {
 	id   uint64
 	addr uint64
 	n    uint64
+	es   []entry // a staged vector's entries (nil: the one range at addr)
+}
+
+func (r *response) release() {
+	r.hold.Release()
+	for _, h := range r.holds {
+		h.Release()
+	}
+}
+
+func (r *response) size() int {
+	n := len(r.payload)
+	for _, b := range r.vec {
+		n += len(b)
+	}
+	return n
 }
 
 // server serves one data lane: it reads requests, checks each one against
@@ -64,6 +82,9 @@ type server struct {
 	out     chan []response
 	free    chan []response // batches the writer is done with
 	pending []response      // answers not yet handed to the writer
+	vectors bool            // vector requests are served
+	ents    [maxVector * entrySize]byte
+	es      []entry
 }
 
 // maxPending bounds the answers the reader collects before it hands them
@@ -166,17 +187,28 @@ func (s *server) readLoop() error {
 			return err
 		}
 		h, err := parseReq(hb[:])
+		if err == nil && h.vector() && !s.vectors {
+			err = fmt.Errorf("%w: request %d: unknown flags %#x", errFrame, h.id, h.flags)
+		}
+		if err == nil && h.vector() {
+			if _, err = io.ReadFull(s.r, s.ents[:h.addr*entrySize]); err != nil {
+				return err
+			}
+			s.es, err = parseEntries(h, s.ents[:], s.es)
+		}
 		if err != nil {
 			// The stream cannot be trusted past a bad header: say why and
 			// end the lane.
 			s.fail(h.id, statusBadRequest, err.Error())
 			return err
 		}
-		need := transfer.AccessRead
-		if h.op == opWrite {
-			need = transfer.AccessWrite
+		if h.vector() {
+			if err := s.serveVector(h, s.es); err != nil {
+				return err
+			}
+			continue
 		}
-		reg, cerr := s.hold(h.addr, h.len, need)
+		reg, cerr := s.hold(h.addr, h.len, need(h.op))
 		if cerr != nil {
 			if h.op == opWrite {
 				// Skip the payload: nothing was written.
@@ -184,11 +216,7 @@ func (s *server) readLoop() error {
 					return err
 				}
 			}
-			st := uint8(statusOutOfBounds)
-			if errors.Is(cerr, transfer.ErrAccessDenied) {
-				st = statusDenied
-			}
-			s.fail(h.id, st, fmt.Sprintf("%s of %d bytes at %#x: %v", opName(h.op), h.len, h.addr, cerr))
+			s.fail(h.id, refusal(cerr), fmt.Sprintf("%s of %d bytes at %#x: %v", opName(h.op), h.len, h.addr, cerr))
 			if s.r.Buffered() < reqSize {
 				s.flush()
 			}
@@ -196,7 +224,7 @@ func (s *server) readLoop() error {
 		}
 		dm, derr := deviceOf(reg)
 		if derr != nil || dm != nil {
-			if err := s.serveDevice(h, reg, dm, derr); err != nil {
+			if err := s.serveDevice(h, nil, reg, nil, dm, derr); err != nil {
 				return err
 			}
 			continue
@@ -218,11 +246,86 @@ func (s *server) readLoop() error {
 	}
 }
 
+func need(op uint8) transfer.Access {
+	if op == opWrite {
+		return transfer.AccessWrite
+	}
+	return transfer.AccessRead
+}
+
+// refusal is the status of a failed HoldLocal.
+func refusal(err error) uint8 {
+	if errors.Is(err, transfer.ErrAccessDenied) {
+		return statusDenied
+	}
+	return statusOutOfBounds
+}
+
+// serveVector serves a vector request. Every entry is checked (and held)
+// before a byte moves; a refused entry refuses the whole request, naming
+// the entry. The entries must all be host memory, or all one device
+// memory, staged in one slot.
+func (s *server) serveVector(h reqHeader, es []entry) error {
+	holds := make([]*transfer.Region, 0, len(es))
+	var dm transfer.DeviceMemory
+	for i, e := range es {
+		reg, err := s.hold(e.addr, e.len, need(h.op))
+		status := refusal(err)
+		if err == nil {
+			holds = append(holds, reg)
+			var d transfer.DeviceMemory
+			if d, err = deviceOf(reg); err == nil && i > 0 && d != dm {
+				err = fmt.Errorf("%w: tcp: the entries of a vector must all be host memory or all one device memory", transfer.ErrDeviceCopy)
+			}
+			dm, status = d, statusDevice
+		}
+		if err != nil {
+			(&response{holds: holds}).release()
+			if h.op == opWrite {
+				if _, err := s.r.Discard(int(h.len)); err != nil {
+					return err
+				}
+			}
+			s.fail(h.id, status, fmt.Sprintf("entry %d: %s of %d bytes at %#x: %v", i, opName(h.op), e.len, e.addr, err))
+			if s.r.Buffered() < reqSize {
+				s.flush()
+			}
+			return nil
+		}
+	}
+	if dm != nil {
+		return s.serveDevice(h, append([]entry(nil), es...), nil, holds, dm, nil)
+	}
+	r := response{holds: holds}
+	if h.op == opWrite {
+		for _, e := range es {
+			if err := readPayload(s.r, s.src, mem(e.addr, e.len)); err != nil {
+				r.release()
+				return err
+			}
+		}
+		r.release()
+		r.holds = nil
+		(&respHeader{id: h.id}).put(r.hdr[:])
+	} else {
+		r.vec = make([][]byte, len(es))
+		for i, e := range es {
+			r.vec[i] = mem(e.addr, e.len)
+		}
+		(&respHeader{id: h.id, len: h.len}).put(r.hdr[:])
+	}
+	s.push(r)
+	return nil
+}
+
 // serveDevice serves a request to a device region through a staging slot:
 // a write goes socket -> slot -> device and is acknowledged once the copy
 // ended; a read goes device -> slot -> socket. Either way the reader goes
-// on with the next request while the copy runs. derr refuses the request.
-func (s *server) serveDevice(h reqHeader, reg *transfer.Region, dm transfer.DeviceMemory, derr error) error {
+// on with the next request while the copy runs. A vector's entries es
+// (nil for a single request) share the slot, and its holds are released
+// with hold. derr refuses the request.
+func (s *server) serveDevice(h reqHeader, es []entry, hold *transfer.Region, holds []*transfer.Region, dm transfer.DeviceMemory, derr error) error {
+	r := response{hold: hold, holds: holds, op: h.op, id: h.id, addr: h.addr, n: h.len, es: es}
 	if derr == nil {
 		derr = s.st.init(dm)
 	}
@@ -240,49 +343,59 @@ func (s *server) serveDevice(h reqHeader, reg *transfer.Region, dm transfer.Devi
 			s.flush() // the writer frees staging as it sends what is pending
 			var err error
 			if slot, err = s.st.get(dir, int(h.len), nil, s.timeout); err != nil {
-				reg.Release()
+				r.release()
 				return err
 			}
 		}
 	}
-	refuse := func(err error) error {
-		s.st.put(dir, slot)
-		reg.Release()
-		if h.op == opWrite && slot == nil {
+	if derr != nil {
+		r.release()
+		if h.op == opWrite {
 			if _, err := s.r.Discard(int(h.len)); err != nil {
 				return err
 			}
 		}
-		s.fail(h.id, statusDevice, fmt.Sprintf("%s of %d bytes at %#x: %v", opName(h.op), h.len, h.addr, err))
+		s.fail(h.id, statusDevice, fmt.Sprintf("%s: %v", r.what(), derr))
 		if s.r.Buffered() < reqSize {
 			s.flush()
 		}
 		return nil
 	}
-	if derr != nil {
-		return refuse(derr)
-	}
 	b := slot.b
-	r := response{hold: reg, slot: slot, dir: dir, op: h.op, id: h.id, addr: h.addr, n: h.len}
-	var err error
+	r.slot, r.dir = slot, dir
 	if h.op == opWrite {
 		if err := readPayload(s.r, s.src, b); err != nil {
 			s.st.put(dir, slot)
-			reg.Release()
+			r.release()
 			return err
 		}
-		r.dev = dm // the writer starts the copy: the reader goes on reading
+		r.dev = dm // the writer starts the copies: the reader goes on reading
 		(&respHeader{id: h.id}).put(r.hdr[:])
 	} else {
-		r.wait, err = dm.CopyToHost(b, h.addr)
+		r.wait = copyRuns(r.entries(), func(addr, off, n uint64) (transfer.Completion, error) {
+			return dm.CopyToHost(b[off:off+n], addr)
+		})
 		(&respHeader{id: h.id, len: h.len}).put(r.hdr[:])
 		r.payload = b
 	}
-	if err != nil {
-		return refuse(err)
-	}
 	s.push(r)
 	return nil
+}
+
+// entries are the ranges of a staged response, in slot order.
+func (r *response) entries() []entry {
+	if r.es != nil {
+		return r.es
+	}
+	return []entry{{r.addr, r.n}}
+}
+
+// what names a staged response's request in error text.
+func (r *response) what() string {
+	if r.es != nil {
+		return fmt.Sprintf("%s of %d bytes in %d entries from %#x", opName(r.op), r.n, len(r.es), r.es[0].addr)
+	}
+	return fmt.Sprintf("%s of %d bytes at %#x", opName(r.op), r.n, r.addr)
 }
 
 // settle waits for a staged response's copy (at most the timeout). If the
@@ -300,13 +413,13 @@ func (s *server) settle(r *response) {
 		return
 	}
 	if late {
-		hold := r.hold
+		held := response{hold: r.hold, holds: r.holds}
 		s.st.settle(r.dir, r.slot, c, s.timeout, func(_ error, ended bool) {
 			if ended {
-				hold.Release()
+				held.release()
 			}
 		})
-		r.slot, r.hold = nil, nil
+		r.slot, r.hold, r.holds = nil, nil, nil
 		err = fmt.Errorf("%w: not done after %v", transfer.ErrDeviceCopy, s.timeout)
 	}
 	r.deviceErr(err)
@@ -314,7 +427,7 @@ func (s *server) settle(r *response) {
 
 // deviceErr makes r the error response of its failed device copy.
 func (r *response) deviceErr(err error) {
-	text := fmt.Sprintf("%s of %d bytes at %#x: %v", opName(r.op), r.n, r.addr, err)
+	text := fmt.Sprintf("%s: %v", r.what(), err)
 	if len(text) > maxErrText {
 		text = text[:maxErrText]
 	}
@@ -343,7 +456,7 @@ func (s *server) writeLoop() {
 		batch = append(batch[:0], rs...)
 		size := 0
 		for i := range rs {
-			size += len(rs[i].payload)
+			size += rs[i].size()
 		}
 		s.recycle(rs) // the reader may reuse rs from here on
 	drain:
@@ -355,7 +468,7 @@ func (s *server) writeLoop() {
 				}
 				batch = append(batch, rs...)
 				for i := range rs {
-					size += len(rs[i].payload)
+					size += rs[i].size()
 				}
 				s.recycle(rs)
 			default:
@@ -383,12 +496,10 @@ func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ Se
 		if failed {
 			continue // nobody hears the ack: the slot and hold are released below
 		}
-		c, err := dm.CopyFromHost(r.addr, r.slot.b)
-		if err != nil {
-			r.deviceErr(err)
-			continue
-		}
-		r.wait = c
+		b := r.slot.b
+		r.wait = copyRuns(r.entries(), func(addr, off, n uint64) (transfer.Completion, error) {
+			return dm.CopyFromHost(addr, b[off:off+n])
+		})
 	}
 	start := 0
 	bufs = bufs[:0]
@@ -426,6 +537,7 @@ func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ Se
 		if len(r.payload) > 0 {
 			bufs = append(bufs, r.payload)
 		}
+		bufs = append(bufs, r.vec...)
 	}
 	send(len(batch))
 	return failed
@@ -433,7 +545,7 @@ func (s *server) writeBatch(batch []response, bufs net.Buffers, dl interface{ Se
 
 func releaseHolds(rs []response) {
 	for i := range rs {
-		rs[i].hold.Release()
+		rs[i].release()
 	}
 }
 

@@ -198,3 +198,57 @@ func doneContext() context.Context {
 type doneCopy struct{}
 
 func (doneCopy) Wait(context.Context) error { return nil }
+
+// copyRuns starts the device copies of a staged vector whose ranges es lie
+// back to back in one slot, one copy per run of ranges that are contiguous
+// in device memory too: start copies n bytes between device address addr
+// and the slot at offset off. A copy that fails to start ends the list
+// with its error, named by entry; the ones started still run, so the
+// result's Wait returns only once they ended.
+func copyRuns(es []entry, start func(addr, off, n uint64) (transfer.Completion, error)) transfer.Completion {
+	var cs allOf
+	var off uint64
+	for i := 0; i < len(es); {
+		first, n := i, es[i].len
+		for i++; i < len(es) && es[i].addr == es[i-1].addr+es[i-1].len; i++ {
+			n += es[i].len
+		}
+		c, err := start(es[first].addr, off, n)
+		if err != nil {
+			if len(es) > 1 {
+				err = fmt.Errorf("entry %d: %w", first, err)
+			}
+			c, i = failed{err}, len(es)
+		}
+		cs = append(cs, c)
+		off += n
+	}
+	if len(cs) == 1 {
+		return cs[0]
+	}
+	return cs
+}
+
+// allOf is several copies as one Completion: Wait returns a context error
+// while one of them may still run, otherwise once all ended, with the
+// first failure.
+type allOf []transfer.Completion
+
+func (cs allOf) Wait(ctx context.Context) error {
+	var first error
+	for _, c := range cs {
+		err := c.Wait(ctx)
+		if err != nil && ctx.Err() != nil && !errors.Is(err, transfer.ErrDeviceCopy) {
+			return err
+		}
+		if first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// failed is a Completion that failed before it started.
+type failed struct{ err error }
+
+func (f failed) Wait(context.Context) error { return f.err }

@@ -62,6 +62,10 @@ type Config struct {
 	// serves together (default 64 lanes' worth, 256 MiB with the other
 	// defaults); a lane past it refuses device requests.
 	MaxServedStaging int64
+	// NoVectors turns vector requests (several pieces in one request) off:
+	// the transport neither advertises, accepts nor sends them, as a peer
+	// of an older version.
+	NoVectors bool
 }
 
 const (
@@ -169,12 +173,19 @@ type info struct {
 	Lanes   int `json:"lanes"`
 	// StagingChunk bounds requests to this segment's device regions.
 	StagingChunk int `json:"staging_chunk,omitempty"`
+	// Vector is the most entries a vector request to this segment may
+	// carry (0: it takes single requests only).
+	Vector int `json:"vector,omitempty"`
 }
 
 // Info says that the segment serves tcp lanes (wire version, lane count,
-// staging chunk).
+// staging chunk, vector requests).
 func (t *Transport) Info() json.RawMessage {
-	b, _ := json.Marshal(info{Version: version, Lanes: t.cfg.Lanes, StagingChunk: t.cfg.StagingChunk})
+	in := info{Version: version, Lanes: t.cfg.Lanes, StagingChunk: t.cfg.StagingChunk, Vector: maxVector}
+	if t.cfg.NoVectors {
+		in.Vector = 0
+	}
+	b, _ := json.Marshal(in)
 	return b
 }
 
@@ -218,6 +229,7 @@ func (t *Transport) serve(conn net.Conn, from transfer.Hello) {
 	st := newStager(t.cfg.StagingChunk, t.cfg.StagingSlots)
 	st.budget = t.served
 	s := newServer(conn, conn, t.h.HoldLocal, t.h.Timeout(), func() { conn.Close() }, st)
+	s.vectors = !t.cfg.NoVectors
 	err := s.run()
 	if err != nil && !isClosed(err) && t.lg.Core().Enabled(zap.DebugLevel) {
 		t.lg.Debug("lane ended", zap.String("peer", from.Name), zap.Error(err))
