@@ -36,3 +36,16 @@ func ReadResponse(r io.Reader) (status uint8, id uint64, body []byte, err error)
 	_, err = io.ReadFull(r, body)
 	return h.status, h.id, body, err
 }
+
+// EncodeVector encodes a vector request's header (total in its len) and
+// entries ({addr, len} pairs); nothing is validated.
+func EncodeVector(op uint8, id, total uint64, ents [][2]uint64) []byte {
+	b := make([]byte, reqSize+len(ents)*entrySize)
+	(&reqHeader{op: op, flags: flagVector, id: id, addr: uint64(len(ents)), len: total}).put(b)
+	es := make([]entry, len(ents))
+	for i, e := range ents {
+		es[i] = entry{e[0], e[1]}
+	}
+	putEntries(b[reqSize:], es)
+	return b
+}
