@@ -9,11 +9,13 @@ import (
 	"testing"
 
 	"github.com/mooncake-go/mooncake-go/pkg/transfer"
+	"github.com/mooncake-go/mooncake-go/pkg/transfer/tcp"
 	"github.com/mooncake-go/mooncake-go/pkg/transfer/transfertest"
 )
 
 // BenchmarkTransfer writes batches of 128 blocks between two engines in
-// this process over loopback (transport=tcp), and streams the same bytes
+// this process over loopback (transport=tcp; tcp-novector: one request per
+// block, as before vector requests), and streams the same bytes
 // in 1 MiB writes over as many plain connections as tcp has lanes
 // (transport=raw): the baseline in the same run. Two-process numbers come
 // from `mooncake-go bench transfer --baseline`.
@@ -22,26 +24,15 @@ func BenchmarkTransfer(b *testing.B) {
 	for _, block := range []int{4 << 10, 64 << 10, 256 << 10, 1 << 20} {
 		size := int64(batch * block)
 		name := fmt.Sprintf("%dKiB", block>>10)
-		b.Run("transport=tcp/block="+name, func(b *testing.B) {
-			a, t := transfertest.NewNode(b, newTransports, nil), transfertest.NewNode(b, newTransports, nil)
-			am, tm := a.Alloc(b, size, transfer.AccessReadWrite), t.Alloc(b, size, transfer.AccessReadWrite)
-			seg, err := a.E.OpenSegment(context.Background(), t.E.Name())
-			if err != nil {
-				b.Fatal(err)
-			}
-			reqs := make([]transfer.Request, batch)
-			for i := range reqs {
-				off := uint64(i * block)
-				reqs[i] = transfer.Request{Op: transfer.Write, Local: uintptr(am.Addr() + off), Len: uint64(block), Segment: seg, Remote: tm.Addr() + off}
-			}
-			b.SetBytes(size)
-			b.ReportAllocs()
-			for b.Loop() {
-				if err := a.E.Transfer(context.Background(), reqs); err != nil {
-					b.Fatal(err)
-				}
-			}
-		})
+		for _, tr := range []struct {
+			name string
+			cfg  tcp.Config
+		}{{"tcp", tcp.Config{}}, {"tcp-novector", tcp.Config{NoVectors: true}}} {
+			b.Run("transport="+tr.name+"/block="+name, func(b *testing.B) {
+				nt := func() []transfer.Transport { return []transfer.Transport{tcp.New(tr.cfg)} }
+				benchTCP(b, nt, batch, block)
+			})
+		}
 		b.Run("transport=raw/block="+name, func(b *testing.B) {
 			a, t := transfertest.NewNode(b, newTransports, nil), transfertest.NewNode(b, newTransports, nil)
 			am, tm := a.Alloc(b, size, transfer.AccessReadWrite), t.Alloc(b, size, transfer.AccessReadWrite)
@@ -81,5 +72,29 @@ func BenchmarkTransfer(b *testing.B) {
 				wg.Wait()
 			}
 		})
+	}
+}
+
+// benchTCP writes batches of batch blocks between two engines with the
+// transports nt returns.
+func benchTCP(b *testing.B, nt func() []transfer.Transport, batch, block int) {
+	size := int64(batch * block)
+	a, t := transfertest.NewNode(b, nt, nil), transfertest.NewNode(b, nt, nil)
+	am, tm := a.Alloc(b, size, transfer.AccessReadWrite), t.Alloc(b, size, transfer.AccessReadWrite)
+	seg, err := a.E.OpenSegment(context.Background(), t.E.Name())
+	if err != nil {
+		b.Fatal(err)
+	}
+	reqs := make([]transfer.Request, batch)
+	for i := range reqs {
+		off := uint64(i * block)
+		reqs[i] = transfer.Request{Op: transfer.Write, Local: uintptr(am.Addr() + off), Len: uint64(block), Segment: seg, Remote: tm.Addr() + off}
+	}
+	b.SetBytes(size)
+	b.ReportAllocs()
+	for b.Loop() {
+		if err := a.E.Transfer(context.Background(), reqs); err != nil {
+			b.Fatal(err)
+		}
 	}
 }

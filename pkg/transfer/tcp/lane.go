@@ -249,6 +249,17 @@ func (pc *piece) entries() []entry {
 	return es
 }
 
+// appendMem appends the piece's local memory, in wire order, to bufs.
+func (pc *piece) appendMem(bufs [][]byte) [][]byte {
+	if pc.vec == nil {
+		return append(bufs, mem(pc.local, pc.n))
+	}
+	for _, m := range pc.vec {
+		bufs = append(bufs, mem(m.local, m.n))
+	}
+	return bufs
+}
+
 // what names a staged read's local memory in error text.
 func (pc *piece) what() string {
 	if pc.vec == nil {
@@ -416,12 +427,13 @@ type lane struct {
 	err      error
 	lastDL   time.Time // when the read deadline was last pushed
 
-	st   *stager
-	done context.Context // already done: polls completions
-	stop chan struct{}   // closed by fail
-	cpq  chan *piece     // staged reads received into their slot, copy not started
-	fin  chan *piece     // staged reads whose copy to the device runs
-	lwg  sync.WaitGroup
+	st    *stager
+	rbufs [][]byte        // the reader's: a vector read's destinations
+	done  context.Context // already done: polls completions
+	stop  chan struct{}   // closed by fail
+	cpq   chan *piece     // staged reads received into their slot, copy not started
+	fin   chan *piece     // staged reads whose copy to the device runs
+	lwg   sync.WaitGroup
 }
 
 func newLane(p *peer, c net.Conn) *lane {
@@ -690,9 +702,7 @@ func (l *lane) send(batch []*piece, bufs net.Buffers) error {
 			bufs = append(bufs, pc.ents)
 		}
 		if pc.op == opWrite {
-			for _, e := range pc.entries() {
-				bufs = append(bufs, mem(e.addr, e.len))
-			}
+			bufs = pc.appendMem(bufs)
 		}
 	}
 	return flush()
@@ -828,8 +838,8 @@ func (l *lane) readLoop() {
 				// reused, so drop the data.
 				_, err = l.br.Discard(int(want))
 			} else {
-				for _, e := range pc.entries() {
-					if err = readPayload(l.br, l.conn, mem(e.addr, e.len)); err != nil {
+				for _, b := range pc.appendMem(l.rbufs[:0]) {
+					if err = readPayload(l.br, l.conn, b); err != nil {
 						break
 					}
 				}
