@@ -98,3 +98,39 @@ func benchTCP(b *testing.B, nt func() []transfer.Transport, batch, block int) {
 		}
 	}
 }
+
+// BenchmarkTransferDevice moves batches of 128 blocks of 64 KiB between
+// fake device memory on both sides (transfertest.FakeDevice: host memory
+// behind the staging interface, a goroutine per copy), with and without
+// vector requests: the staging's per-piece costs on the CPU, not a GPU's.
+func BenchmarkTransferDevice(b *testing.B) {
+	const batch, block = 128, 64 << 10
+	for _, op := range []transfer.Op{transfer.Write, transfer.Read} {
+		for _, tr := range []struct {
+			name string
+			cfg  tcp.Config
+		}{{"tcp", tcp.Config{}}, {"tcp-novector", tcp.Config{NoVectors: true}}} {
+			b.Run("transport="+tr.name+"/op="+op.String(), func(b *testing.B) {
+				nt := func() []transfer.Transport { return []transfer.Transport{tcp.New(tr.cfg)} }
+				a, t := transfertest.NewNode(b, nt, nil), transfertest.NewNode(b, nt, nil)
+				ad := a.AllocDevice(b, transfertest.FakeDevices, batch*block, transfer.AccessReadWrite)
+				td := t.AllocDevice(b, transfertest.FakeDevices, batch*block, transfer.AccessReadWrite)
+				seg, err := a.E.OpenSegment(context.Background(), t.E.Name())
+				if err != nil {
+					b.Fatal(err)
+				}
+				reqs := make([]transfer.Request, batch)
+				for i := range reqs {
+					off := uint64(i * block)
+					reqs[i] = transfer.Request{Op: op, Local: uintptr(ad.Addr + off), Len: block, Segment: seg, Remote: td.Addr + off}
+				}
+				b.SetBytes(batch * block)
+				for b.Loop() {
+					if err := a.E.Transfer(context.Background(), reqs); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}

@@ -8,10 +8,11 @@
 // straight from registered memory with one vectored write (writev) for many
 // requests, and a reader goroutine reads responses, storing the data of
 // reads straight into registered memory. Tasks larger than
-// Config.ChunkSize are split into chunks spread over the lanes. The serving
-// side checks every request against its registered regions (Host.HoldLocal)
-// before it touches memory and answers a refused one with an error naming
-// the range.
+// Config.ChunkSize are split into chunks spread over the lanes, and
+// consecutive small pieces go as one vector request to a peer that takes
+// them. The serving side checks every request (every entry of a vector)
+// against its registered regions (Host.HoldLocal) before it touches memory
+// and answers a refused one with an error naming the range.
 //
 // Device memory (a region registered WithMemory of a
 // transfer.DeviceMemory, such as a CUDA pool) is staged on either side:
