@@ -25,10 +25,7 @@
 set -u
 DEF_OUT=/tmp/moe13 DEF_LIMIT=540
 . "$(dirname "$0")/common.sh"
-for f in gpu-bundle/bin/*.xz; do
-	b=$(basename "$f" .xz)
-	xz -dc "$f" >"$w/$b" && chmod +x "$w/$b"
-done
+unpack_bins
 want() { case " ${STAGES:-tests extra vram profile graph prefill pd rdma peak dense} " in *" $1 "*) return 0 ;; esac; return 1; }
 t() { # name dir bin timeout run
 	(cd "$root/$2" && timeout "$4" "$w/$3" -test.v -test.run "$5") >"$O/$1.log" 2>&1

@@ -12,10 +12,7 @@
 set -u
 DEF_OUT=/tmp/tp17 DEF_LIMIT=560
 . "$(dirname "$0")/common.sh"
-for f in gpu-bundle/bin/*.xz; do
-	b=$(basename "$f" .xz)
-	xz -dc "$f" >"$w/$b" && chmod +x "$w/$b"
-done
+unpack_bins
 want() { case " ${STAGES:-nccl allreduce tp bench} " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi topo -m 2>&1 | head -6 | tee -a "$O/run.log"
 if want nccl && left 60 nccl; then
