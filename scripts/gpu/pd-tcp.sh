@@ -7,7 +7,9 @@
 # flags (default: the random 8B shape in bf16), LENS the prompt lengths,
 # BACKENDS the transfer backends of the pairs (default tcp; "tcp nvlink"
 # also times TTFT, TTFT_LENS, of each, max_new_tokens 1, median of 3);
-# logs in $OUT.
+# P_FLAGS and D_FLAGS are more flags for the prefill and the decode server
+# (e.g. "--tp 2 --base-gpu-id 0": prefill and decode of other TP sizes, on
+# other GPUs); logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 log=${OUT:-/tmp/pd-tcp}
@@ -61,11 +63,11 @@ health "http://127.0.0.1:$p0" && greedy "http://127.0.0.1:$p0" "$w/colocated.jso
 kill $c; wait $c 2>/dev/null
 rc=0
 for be in ${BACKENDS:-tcp}; do
-	echo "=== 1P1D over $be, both on GPU 0"
+	echo "=== 1P1D over $be (prefill: ${P_FLAGS:-GPU 0}; decode: ${D_FLAGS:-GPU 0})"
 	pp=$(port); dp=$(port); lp=$(port)
-	$mc serve $M --port $pp --disaggregation-mode prefill --disaggregation-bootstrap-port 0 --disaggregation-transfer-backend $be >"$log/prefill-$be.log" 2>&1 &
+	$mc serve $M ${P_FLAGS:-} --port $pp --disaggregation-mode prefill --disaggregation-bootstrap-port 0 --disaggregation-transfer-backend $be >"$log/prefill-$be.log" 2>&1 &
 	pid_p=$!
-	$mc serve $M --port $dp --disaggregation-mode decode --disaggregation-transfer-backend $be >"$log/decode-$be.log" 2>&1 &
+	$mc serve $M ${D_FLAGS:-} --port $dp --disaggregation-mode decode --disaggregation-transfer-backend $be >"$log/decode-$be.log" 2>&1 &
 	pid_d=$!
 	if ! health "http://127.0.0.1:$pp" || ! health "http://127.0.0.1:$dp"; then
 		tail -5 "$log/prefill-$be.log" "$log/decode-$be.log"

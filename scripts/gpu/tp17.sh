@@ -8,12 +8,15 @@
 # BenchmarkAllReduce2GPU beside torch.distributed's, scripts/py/allreduce_bench.py),
 # tp (TestTPNCCL: stories260K at tp 2 equal to llama2.c and tp 1, graphs
 # replayed, a failing rank released), bench (TestBenchTP8B: decode b1/b32 and
-# prefill 4K at tp 1 and 2). Logs in $OUT.
+# prefill 4K at tp 1 and 2), pd (scripts/gpu/pd-tcp.sh across TP layouts over
+# nvlink: P tp 2 on GPUs 0-1 -> D tp 1 on GPU 1, and P tp 1 on GPU 0 -> D tp 2
+# on GPUs 0-1 (a server sharing a GPU), stories260K float32 and the 8B shape:
+# greedy equal colocated tp 1). Logs in $OUT.
 set -u
 DEF_OUT=/tmp/tp17 DEF_LIMIT=560
 . "$(dirname "$0")/common.sh"
 unpack_bins
-want() { case " ${STAGES:-nccl allreduce tp bench} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${STAGES:-nccl allreduce tp bench pd} " in *" $1 "*) return 0 ;; esac; return 1; }
 nvidia-smi topo -m 2>&1 | head -6 | tee -a "$O/run.log"
 if want nccl && left 60 nccl; then
 	(cd internal/collective/nccl && timeout 60 "$w/internal.collective.nccl.test" -test.v -test.run 'TestTwoRanksGPU|TestOneRankGPU') >"$O/nccl.log" 2>&1
@@ -38,5 +41,20 @@ if want bench && left 150 bench; then
 	log "bench tp rc $?"
 	cat "$O/bench-tp.txt" 2>/dev/null | tee -a "$O/run.log"
 	grep -E "FAIL|panic" "$O/bench-tp.log" | head -5 | tee -a "$O/run.log"
+fi
+if want pd; then
+	small="--model-path gpu-bundle/shared/models/stories260K/stories260K.bin --tokenizer-path gpu-bundle/shared/models/stories260K/tok512.bin --dtype float32"
+	for m in small 8b; do
+		M=$small
+		[ $m = 8b ] && M="--random-weights llama3-8b --random-seed 7"
+		for pair in "--tp 2 --base-gpu-id 0|--tp 1 --base-gpu-id 1" "--tp 1 --base-gpu-id 0|--tp 2 --base-gpu-id 0"; do
+			left 100 "pd $m $pair" || break
+			pf=${pair%%|*} df=${pair##*|}
+			OUT=$O/pd-$m MODEL=$M P_FLAGS=$pf D_FLAGS=$df BACKENDS=nvlink LENS="20 100 400" TTFT_LENS=4096 timeout 150 \
+				bash scripts/gpu/pd-tcp.sh >>"$O/pd.log" 2>&1
+			log "pd $m ($pf -> $df) rc $?"
+			grep -E "equal colocated|^ttft|FAIL" "$O/pd.log" | tail -3 | tee -a "$O/run.log"
+		done
+	done
 fi
 log done
