@@ -81,6 +81,13 @@ func benchTCP(b *testing.B, nt func() []transfer.Transport, batch, block int) {
 	size := int64(batch * block)
 	a, t := transfertest.NewNode(b, nt, nil), transfertest.NewNode(b, nt, nil)
 	am, tm := a.Alloc(b, size, transfer.AccessReadWrite), t.Alloc(b, size, transfer.AccessReadWrite)
+	b.ReportAllocs()
+	loopBatch(b, a, t, transfer.Write, am.Addr(), tm.Addr(), batch, block)
+}
+
+// loopBatch transfers batch blocks of block bytes from local to remote (on
+// t's segment, op) until the benchmark ends.
+func loopBatch(b *testing.B, a, t *transfertest.Node, op transfer.Op, local, remote uint64, batch, block int) {
 	seg, err := a.E.OpenSegment(context.Background(), t.E.Name())
 	if err != nil {
 		b.Fatal(err)
@@ -88,10 +95,9 @@ func benchTCP(b *testing.B, nt func() []transfer.Transport, batch, block int) {
 	reqs := make([]transfer.Request, batch)
 	for i := range reqs {
 		off := uint64(i * block)
-		reqs[i] = transfer.Request{Op: transfer.Write, Local: uintptr(am.Addr() + off), Len: uint64(block), Segment: seg, Remote: tm.Addr() + off}
+		reqs[i] = transfer.Request{Op: op, Local: uintptr(local + off), Len: uint64(block), Segment: seg, Remote: remote + off}
 	}
-	b.SetBytes(size)
-	b.ReportAllocs()
+	b.SetBytes(int64(batch * block))
 	for b.Loop() {
 		if err := a.E.Transfer(context.Background(), reqs); err != nil {
 			b.Fatal(err)
@@ -115,21 +121,7 @@ func BenchmarkTransferDevice(b *testing.B) {
 				a, t := transfertest.NewNode(b, nt, nil), transfertest.NewNode(b, nt, nil)
 				ad := a.AllocDevice(b, transfertest.FakeDevices, batch*block, transfer.AccessReadWrite)
 				td := t.AllocDevice(b, transfertest.FakeDevices, batch*block, transfer.AccessReadWrite)
-				seg, err := a.E.OpenSegment(context.Background(), t.E.Name())
-				if err != nil {
-					b.Fatal(err)
-				}
-				reqs := make([]transfer.Request, batch)
-				for i := range reqs {
-					off := uint64(i * block)
-					reqs[i] = transfer.Request{Op: op, Local: uintptr(ad.Addr + off), Len: block, Segment: seg, Remote: td.Addr + off}
-				}
-				b.SetBytes(batch * block)
-				for b.Loop() {
-					if err := a.E.Transfer(context.Background(), reqs); err != nil {
-						b.Fatal(err)
-					}
-				}
+				loopBatch(b, a, t, op, uint64(ad.Addr), td.Addr, batch, block)
 			})
 		}
 	}
