@@ -14,10 +14,13 @@
 #   pd      scripts/gpu/pd-tcp.sh, 8B shape, tcp and nvlink pairs (TTFT)
 #   rdma    serve --disaggregation-transfer-backend rdma with the real
 #           libibverbs and no HCA: the start-up error
-#   profile ncu over TestProfile8B at qwen3-30b-a3b: kernel time by kernel
-#           of one eager decode step at batch 1 and at batch 32
+#   profile ncu over TestProfile8B at PROFILE_SHAPE (qwen3-30b-a3b): kernel
+#           time by kernel of one eager decode step at each of PROFILE_BATCHES
+#           (1 32); PROFILE_TIMEOUT (120 s)
 #   peak    host memory while loading a bf16 HF directory (qwen3-30b-a3b-8l,
 #           convert --random) onto the GPU: TestLoadPeakHF
+#   kernels TestKernelBench8B: the 8B shape's decode kernels one by one
+#           (us and % of HBM; attention at batch 1..256, ctx 1K..32K)
 #   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression; DENSE_VARIANTS, DENSE_TIMEOUT)
 # TESTS overrides the tests stage's -test.run pattern (TESTS_TIMEOUT its 200 s).
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
@@ -26,7 +29,7 @@ set -u
 DEF_OUT=/tmp/moe13 DEF_LIMIT=540
 . "$(dirname "$0")/common.sh"
 unpack_bins
-want() { case " ${STAGES:-tests extra vram profile graph prefill pd rdma peak dense} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${STAGES:-tests extra vram profile graph prefill pd rdma peak kernels dense} " in *" $1 "*) return 0 ;; esac; return 1; }
 t() { # name dir bin timeout run
 	(cd "$root/$2" && timeout "$4" "$w/$3" -test.v -test.run "$5") >"$O/$1.log" 2>&1
 	log "$1 rc $?: $(grep -cE '^\s*--- PASS' "$O/$1.log") pass, $(grep -cE '^\s*--- FAIL' "$O/$1.log") fail, $(grep -cE '^\s*--- SKIP' "$O/$1.log") skip"
@@ -69,18 +72,20 @@ if want vram && left 130 vram; then
 fi
 if want profile && left 120 profile; then
 	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=0 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b timeout 120 \
+	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=0 MOONCAKE_BENCH_SHAPE=${PROFILE_SHAPE:-qwen3-30b-a3b} \
+		MOONCAKE_PROFILE_BATCHES="${PROFILE_BATCHES:-1 32}" timeout ${PROFILE_TIMEOUT:-120} \
 		$NCU --clock-control none --metrics gpu__time_duration.sum,launch__grid_size -f -o "$w/prof" "$w/internal.compute.cuda.test" -test.run 'TestProfile8B$') >"$O/ncu.log" 2>&1
 	log "ncu rc $? $(tail -1 "$O/ncu.log" | cut -c1-200)"
 	$NCU -i "$w/prof.ncu-rep" --csv --page raw --metrics gpu__time_duration.sum,launch__grid_size >"$w/prof.csv" 2>>"$O/ncu.log"
-	python3 - "$w/prof.csv" <<'PY' | tee -a "$O/run.log"
+	log "profile ${PROFILE_SHAPE:-qwen3-30b-a3b}, batches ${PROFILE_BATCHES:-1 32}"
+	python3 - "$w/prof.csv" ${PROFILE_BATCHES:-1 32} <<'PY' | tee -a "$O/run.log"
 import csv, collections, sys
 rows = list(csv.reader(open(sys.argv[1])))
 h = rows[0]
 ki = h.index('Kernel Name'); ti = [i for i, x in enumerate(h) if x.startswith('gpu__time_duration')][0]
 gi = [i for i, x in enumerate(h) if x.startswith('launch__grid_size')][0]
 sc = {'ms': 1.0, 'msecond': 1.0, 'us': 1e-3, 'usecond': 1e-3, 'ns': 1e-6, 'nsecond': 1e-6}.get(rows[1][ti], 1.0)
-phase, names = -1, ['load', 'decode_b1', 'decode_b32']
+phase, names = -1, ['load'] + ['decode_b' + b for b in sys.argv[2:]]
 acc = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
 for r in rows[1:]:
     try: t = float(r[ti])
@@ -124,6 +129,13 @@ if want peak && left 150 peak; then
 	log "load peak rc $?"
 	grep -hE "host peak|FAIL|panic" "$O/peak.log" | cut -c1-400 | tee -a "$O/run.log"
 	rm -rf "$d"
+fi
+if want kernels && left 90 kernels; then
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 BENCH_OUT=$O/kbench.txt timeout 90 "$w/internal.compute.cuda.test" -test.v \
+		-test.run 'TestKernelBench8B$') >"$O/kbench.log" 2>&1
+	log "kernel bench rc $?"
+	grep -hE "FAIL|panic" "$O/kbench.log" | head -5 | cut -c1-300 | tee -a "$O/run.log"
+	cat "$O/kbench.txt" 2>/dev/null | tee -a "$O/run.log"
 fi
 if want dense && left ${DENSE_TIMEOUT:-80} dense; then
 	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_VARIANTS=${DENSE_VARIANTS:-new} BENCH_OUT=$O/graph-8b.txt timeout ${DENSE_TIMEOUT:-80} \

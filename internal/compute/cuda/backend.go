@@ -413,8 +413,10 @@ func (b *Backend) release() error {
 	if b.mod != nil {
 		errs = append(errs, b.mod.Unload())
 	}
-	if b.bk.mod != nil {
-		errs = append(errs, b.bk.mod.Unload())
+	for _, m := range []*cu.Module{b.bk.mod, b.fn.tcMod} {
+		if m != nil {
+			errs = append(errs, m.Unload())
+		}
 	}
 	if b.blas != nil {
 		errs = append(errs, b.blas.Destroy())

@@ -264,7 +264,7 @@ func TestBenchGraph8B(t *testing.T) {
 	for _, v := range []struct {
 		name string
 		tu   tuning
-	}{{"new", tuning{}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
+	}{{"new", tuning{}}, {"new-notc", tuning{noTC: true}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
 		{"new-nofused", tuning{noFused: true}},
 		{"old", tuning{noFused: true, decodeV1: true}}} {
 		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {
@@ -294,9 +294,9 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSamp
 	if err := b.fill(b.fn.fillT, b.kvBase, uint64(b.layout.TotalBytes())/uint64(b.eb), 7, 1, 0); err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%s: loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v; fused %v, skinny %v, decode2 %v, decode %v, pdl %v",
+	t.Logf("%s: loaded in %v: weights %.2f GB, KV pool %.2f GB (random), graph buffers %.1f MiB, buckets %v; fused %v, skinny %v, decode2 %v, tc %v, decode %v, pdl %v",
 		name, time.Since(t0), float64(b.WeightBytes())/1e9, float64(b.KVSize())/1e9, float64(b.graphs.sizes.total())/(1<<20),
-		b.graphs.buckets, b.fn.g2QKV != nil, b.fn.skPlain != nil, b.fn.attnDecode2 != nil, b.fn.attnDecode != nil, b.fn.pdl)
+		b.graphs.buckets, b.fn.g2QKV != nil, b.fn.skPlain != nil, b.fn.attnDecode2 != nil, b.fn.attnTC != nil, b.fn.attnDecode != nil, b.fn.pdl)
 	if tu.pdl && !b.fn.pdl {
 		t.Errorf("%s: programmatic dependent launch not available", name)
 	}

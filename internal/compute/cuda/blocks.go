@@ -266,6 +266,8 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			// The last split block of each query merges: no combine.
 			r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, lp.scaleLog2, d.att, f.attnCnt)...)
 			continue
+		case f.attnTC != nil && b.layout.PageSize%16 == 0:
+			r.launch(f.attnTC, grid, cu.D1(uint32(f.tcThreads)), 0, append(args, lp.scaleLog2)...)
 		case f.attnDecode2 != nil:
 			r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, lp.scaleLog2, null, null)...)
 		case f.attnDecode != nil:

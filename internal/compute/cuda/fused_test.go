@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/mooncake-go/mooncake-go/internal/model"
@@ -15,7 +16,8 @@ import (
 // old kernels' logits bit for bit (these dims reduce rmsnorm in its own
 // order); all the new kernels together must stay near them (with the 4- and
 // 8-warp attention), and give the same bits with attn_combine instead of
-// attn_decode2's own merge and launched with programmatic dependent launch. Shapes: head dims 8 to 128,
+// attn_decode2's own merge and launched with programmatic dependent launch; the
+// defaults (attn_decode_tc at head dim 128) stay near them too. Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
 // that the GEMV cannot read (172).
 func TestFusedDecode(t *testing.T) {
@@ -58,9 +60,13 @@ func TestFusedDecode(t *testing.T) {
 			old := mk(tuning{noFused: true, decodeV1: true})
 			fusedOld := mk(tuning{decodeV1: true})
 			nw := mk(tuning{skinnyMax: skMaxN, fuseCombine: true}) // every new kernel
-			sep := mk(tuning{skinnyMax: skMaxN})
+			sep := mk(tuning{skinnyMax: skMaxN, noTC: true})
 			pdl := mk(tuning{skinnyMax: skMaxN, fuseCombine: true, pdl: true})
 			w8 := mk(tuning{decode2W8: true})
+			tc := mk(tuning{}) // the defaults: attn_decode_tc where it suits the shape
+			if m.Config.HeadDim == 128 && tc.fn.attnTC == nil {
+				t.Errorf("attn_decode_tc not loaded")
+			}
 			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
 				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
 			}
@@ -78,7 +84,7 @@ func TestFusedDecode(t *testing.T) {
 			if m.Config.Heads/m.Config.KVHeads <= 4 && !hasW8 {
 				t.Errorf("attn_decode2_w8 not loaded")
 			}
-			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8}
+			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc}
 			r := newRand(uint64(len(sh.name)))
 			base := 0
 			for _, n := range groups {
@@ -98,12 +104,15 @@ func TestFusedDecode(t *testing.T) {
 				if pdl.fn.pdl {
 					exact("programmatic launches vs plain ones", 2, 4)
 				}
-				for _, k := range []int{2, 5} {
+				for _, k := range []int{2, 5, 6} {
+					what := fmt.Sprintf("%d-thread attn_decode2", bs[k].fn.d2Threads)
+					if k == 6 {
+						what = fmt.Sprintf("defaults, tensor-core decode attention %v", tc.fn.attnTC != nil)
+					}
 					d, rel, am := compareSteps(res[0], res[k])
-					t.Logf("batch %d: new kernels (%d-thread attention) vs old: max abs diff %.3g, rel %.3g, %d greedy tokens differ",
-						n, bs[k].fn.d2Threads, d, rel, am)
+					t.Logf("batch %d: new kernels (%s) vs old: max abs diff %.3g, rel %.3g, %d greedy tokens differ", n, what, d, rel, am)
 					if !(rel <= 2e-2) {
-						t.Errorf("batch %d: new kernels (%d-thread attention) vs old: relative error %g > 2e-2", n, bs[k].fn.d2Threads, rel)
+						t.Errorf("batch %d: new kernels (%s) vs old: relative error %g > 2e-2", n, what, rel)
 					}
 				}
 			}

@@ -63,7 +63,13 @@ func TestKernelBench8B(t *testing.T) {
 		shared, _ := f.Attribute(cu.FuncAttrSharedSizeBytes)
 		kb.add("kernel %s: %d registers, %d bytes local, %d bytes static shared; gemv2 grid cap %d blocks", name, regs, local,
 			shared, b.fn.g2Blocks[f])
-
+	}
+	if f := b.fn.attnTC; f != nil {
+		regs, _ := f.Attribute(cu.FuncAttrNumRegs)
+		local, _ := f.Attribute(cu.FuncAttrLocalSizeBytes)
+		shared, _ := f.Attribute(cu.FuncAttrSharedSizeBytes)
+		kb.add("kernel attn_decode_tc: %d registers, %d bytes local, %d bytes static shared, %d threads", regs, local, shared,
+			b.fn.tcThreads)
 	}
 	kb.gemvs()
 	kb.skinny()
@@ -574,7 +580,7 @@ func (k *kbench) smallKernels() {
 	}
 }
 
-// attention times attn_split, attn_decode and attn_decode2 (+ attn_combine),
+// attention times attn_split, attn_decode_tc and attn_decode2 (+ attn_combine),
 // attn_decode2 merging its own splits (4 and 8 warps) at batch 1..256 and contexts 1K..32K of one layer (the 8B shape: 8 KV
 // heads of 128, GQA 4) over an 8 GiB pool of 64-token pages, page tables
 // random; the floor is the K and V bytes read once.
@@ -610,8 +616,12 @@ func (k *kbench) attention() {
 	}
 	k.put(pages, pg)
 	f := &b.fn
-	split, dec1, dec2, dec2w8, comb := k.fn("attn_split"), k.fn("attn_decode"), k.fn("attn_decode2"), k.fn("attn_decode2_w8"),
-		k.fn("attn_combine")
+	split, dec2, dec2w8, comb := k.fn("attn_split"), k.fn("attn_decode2"), k.fn("attn_decode2_w8"), k.fn("attn_combine")
+	tc := b.fn.attnTC
+	if tc == nil {
+		k.fail("attn_decode_tc not loaded")
+		return
+	}
 	if f.attnCnt == 0 {
 		k.fail("attn_decode2 has no split counters (it would not merge)")
 		return
@@ -620,8 +630,8 @@ func (k *kbench) attention() {
 	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
 	null := cu.DevicePtr(0)
 	k.add("")
-	k.add("attention variants: split = attn_split + attn_combine (the f32 reference), decode = attn_decode + combine (old), d2 = attn_decode2 + combine, d2m = attn_decode2 merging its own splits (the default), d2m8 = attn_decode2_w8 merging; us per layer, %% of HBM on the K and V bytes")
-	k.add("| attention, one layer | batch | ctx | floor us | split us | decode us (%%) | d2 us (%%) | d2m us (%%) | d2m8 us (%%) | combine alone us | checks |")
+	k.add("attention variants: split = attn_split + attn_combine (the f32 reference), tc = attn_decode_tc + combine (the default), d2 = attn_decode2 + combine, d2m = attn_decode2 merging its own splits, d2m8 = attn_decode2_w8 merging; us per layer, %% of HBM on the K and V bytes")
+	k.add("| attention, one layer | batch | ctx | floor us | split us | tc us (%%) | d2 us (%%) | d2m us (%%) | d2m8 us (%%) | combine alone us | checks |")
 	k.add("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, cs := range []struct{ bs, ctx int }{{1, 1024}, {1, 8192}, {1, 32768}, {8, 1024}, {8, 8192}, {8, 32768},
 		{32, 1024}, {32, 8192}, {32, 32768}, {128, 1024}, {128, 8192}, {128, 32768}, {256, 1024}, {256, 8192}, {256, 32768}} {
@@ -649,7 +659,7 @@ func (k *kbench) attention() {
 				k.launch(split, grid, cu.D1(uint32(f.attThreads)), 0, args(div, int32(0))...)
 				combine(att[0])
 			},
-			func(int) { k.launch(dec1, grid, cu.D1(128), 0, args(div)...); combine(att[1]) },
+			func(int) { k.launch(tc, grid, cu.D1(uint32(f.tcThreads)), 0, args(scaleLog2)...); combine(att[1]) },
 			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, null, null)...); combine(att[2]) },
 			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, att[3], f.attnCnt)...) },
 			func(int) { k.launch(dec2w8, grid, cu.D1(256), 0, args(scaleLog2, att[4], f.attnCnt)...) },
@@ -672,7 +682,7 @@ func (k *kbench) attention() {
 		verdict := "not checked"
 		if check {
 			verdict = ""
-			for i, name := range []string{"decode", "d2", "d2m", "d2m8"} {
+			for i, name := range []string{"tc", "d2", "d2m", "d2m8"} {
 				e := relErr(got[i+1], got[0])
 				nan := 0
 				for _, v := range got[i+1] {

@@ -33,6 +33,7 @@ type tuning struct {
 	noDecode   bool // attn_split instead of attn_decode2 / attn_decode
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
+	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -86,6 +87,11 @@ type kernels struct {
 	d2Threads int
 	attnCnt   cu.DevicePtr
 	attnCntQ  int
+	// attnTC (decode.cu) replaces attnDecode2 over pages of a multiple of
+	// 16 keys, tcThreads a block; nil where the model does not suit it.
+	attnTC    *cu.Function
+	tcMod     *cu.Module
+	tcThreads int
 }
 
 // Launch shapes of the small kernels.
@@ -262,6 +268,10 @@ func (b *Backend) loadKernels() error {
 			opt(&f.attnDecode, "attn_decode")
 		}
 	}
+	if f.attnDecode2 != nil && !tu.noTC && !tu.decode2W8 && hd == 128 && group <= 8 && f.split%16 == 0 &&
+		b.cfg.SlidingWindow == 0 {
+		b.loadDecodeTC(k, opts)
+	}
 	if !tu.noFused && f.gemvMax > 0 && b.cfg.Dim%8 == 0 {
 		b.loadFused()
 	}
@@ -293,12 +303,30 @@ func (b *Backend) loadKernels() error {
 	}
 	if w := b.cfg.SlidingWindow; w > 0 {
 		// Only attn_split and attn_combine take a window.
-		f.attnFlash, f.attnFlash2, f.attnDecode, f.attnDecode2, f.attnCnt = nil, nil, nil, nil, 0
+		f.attnFlash, f.attnFlash2, f.attnDecode, f.attnDecode2, f.attnTC, f.attnCnt = nil, nil, nil, nil, nil, 0
 		b.flash = false
 		b.lg.Info("sliding-window attention on the split-K kernels (no flash prefill, no attn_decode2)",
 			zap.Int("sliding_window", w), zap.Int("from_layer", b.cfg.WindowFrom))
 	}
 	return nil
+}
+
+// loadDecodeTC compiles decode.cu (attn_decode_tc) with the llama set's
+// macros; a build NVRTC rejects leaves attn_decode2 in use.
+func (b *Backend) loadDecodeTC(k *cu.Kernels, opts []string) {
+	src, err := csrc.LlamaKernel("decode")
+	if err == nil {
+		b.fn.tcMod, err = k.LoadSource(b.cx, "decode", src, opts...)
+	}
+	if err == nil {
+		b.fn.attnTC, err = b.fn.tcMod.Function("attn_decode_tc")
+	}
+	if err != nil {
+		b.lg.Warn("attn_decode_tc not available; decode attention on attn_decode2", zap.Error(err))
+		b.fn.attnTC = nil
+		return
+	}
+	b.fn.tcThreads = 32 * min(b.fn.split/16, 8) // TC_WARPS
 }
 
 // Fused decode layer launch shape: gemv2_* blocks of g2Threads threads, one

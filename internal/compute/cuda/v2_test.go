@@ -10,6 +10,9 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -203,7 +206,19 @@ func TestProfile8B(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const ps, batch, ctxLen = 64, 32, 1024
+	const ps, ctxLen = 64, 1024
+	batches := []int{1, 32} // MOONCAKE_PROFILE_BATCHES="1 32 128" picks others
+	if v := os.Getenv("MOONCAKE_PROFILE_BATCHES"); v != "" {
+		batches = batches[:0]
+		for _, f := range strings.Fields(v) {
+			n, err := strconv.Atoi(f)
+			if err != nil || n < 1 {
+				t.Fatalf("MOONCAKE_PROFILE_BATCHES: %q is not a batch size", f)
+			}
+			batches = append(batches, n)
+		}
+	}
+	batch := slices.Max(batches)
 	pagesPer := 4096/ps + 1
 	b := newOrSkip(t, &model.Model{Config: cfg, Random: true}, Options{PageSize: ps, Pages: (batch + 1) * pagesPer, RandomWeights: true, Seed: 1})
 	if err := b.fill(b.fn.fillT, b.kvBase, uint64(b.layout.TotalBytes())/uint64(b.eb), 5, 1, 0); err != nil {
@@ -222,7 +237,7 @@ func TestProfile8B(t *testing.T) {
 	}
 	ctx := context.Background()
 	marker()
-	for _, bs := range []int{1, batch} {
+	for _, bs := range batches {
 		seqs := make([]compute.Seq, bs)
 		for i := range seqs {
 			seqs[i] = compute.Seq{Tokens: []int32{int32(r.IntN(V))}, Pos: ctxLen, Pages: pagesFor(i, pagesPer), Logits: true}

@@ -75,6 +75,7 @@ extern "C" inline void emu_entry() {
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 __attribute__((noinline)) inline void __syncthreads() {
 	emu_site[emu_cur] = __builtin_return_address(0);
@@ -108,6 +109,12 @@ inline unsigned __ballot_sync(unsigned, int p) {
 	return m;
 }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+	uint64_t v = (uint64_t)y << 32 | x;
+	unsigned r = 0;
+	for (int i = 0; i < 4; i++) r |= (unsigned)(v >> (8 * ((s >> (4 * i)) & 7)) & 0xff) << (8 * i);
+	return r;
+}
 
 inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
@@ -120,6 +127,7 @@ inline float __fdiv_rn(float a, float b) { return a / b; }
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
 inline unsigned atomicAdd(unsigned *p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
@@ -203,4 +211,38 @@ template <class K, class... A> void emu_launch(K k, emu_dim3 grid, unsigned thre
 					}
 				}
 			}
+}
+
+// Tensor-core operations, as PTX defines them (for csrc/llama/decode.cu).
+// pack_bf16: cvt.rn.bf16x2.f32 (lo in the low half, nearest even).
+inline unsigned emu_bf16(float f) {
+	unsigned u;
+	std::memcpy(&u, &f, 4);
+	if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+	u += 0x7fffu + ((u >> 16) & 1u);
+	return u >> 16;
+}
+inline unsigned pack_bf16(float lo, float hi) { return emu_bf16(lo) | emu_bf16(hi) << 16; }
+// mma_bf16: mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32, c += A . B, a
+// warp-wide operation over the lanes' fragments (sums in double, rounded
+// to f32 once: the hardware's order of f32 additions is not specified).
+inline unsigned emu_frag[1024][6];
+inline void mma_bf16(float *c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+	unsigned me = threadIdx.x, w = me & ~31u;
+	unsigned *f = emu_frag[me];
+	f[0] = a0, f[1] = a1, f[2] = a2, f[3] = a3, f[4] = b0, f[5] = b1;
+	emu_yield(EMU_WARP);
+	auto half = [](unsigned v, int hi) { return __uint_as_float(hi ? v & 0xffff0000u : v << 16); };
+	auto A = [&](int i, int k) { return half(emu_frag[w + (i % 8) * 4 + (k % 8) / 2][(i >= 8) + 2 * (k >= 8)], k & 1); };
+	auto B = [&](int k, int n) { return half(emu_frag[w + n * 4 + (k % 8) / 2][4 + (k >= 8)], k & 1); };
+	int g = (me & 31) / 4, t = me & 3;
+	float r[4];
+	for (int e = 0; e < 4; e++) {
+		int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+		double acc = c[e];
+		for (int k = 0; k < 16; k++) acc += (double)A(row, k) * B(k, col);
+		r[e] = (float)acc;
+	}
+	emu_yield(EMU_WARP);
+	for (int e = 0; e < 4; e++) c[e] = r[e];
 }

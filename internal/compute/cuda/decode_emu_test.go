@@ -1,0 +1,158 @@
+package cuda
+
+import (
+	"bytes"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"path/filepath"
+	"testing"
+
+	"github.com/mooncake-go/mooncake-go/internal/model"
+)
+
+// TestAttnTCEmulated runs decode.cu's attn_decode_tc on the host (the mma
+// fragments exchanged between the emulated lanes as PTX lays them out)
+// against attention in float64 over the same bf16 q, K and V: every split's
+// max (natural-log units) within 1e-4, the merged output within 4e-3
+// relative (P is rounded to bf16), splits past a query's last key left
+// alone. Shapes: 1, 4 and 8 query heads per KV head; splits of 16, 32, 128
+// and 256 keys (1 and 2 warps; 8 warps of one chunk; 8 warps of two); pages of 16,
+// 32 and 64 in a random order; queries of 1 key to several splits, partial
+// chunks among them.
+func TestAttnTCEmulated(t *testing.T) {
+	src, _ := filepath.Abs("../../../csrc/llama/decode.cu")
+	for _, tc := range []struct {
+		group, split, nkv, ps int
+		pos                   []int
+	}{
+		{4, 128, 2, 16, []int{0, 15, 16, 130, 300}},
+		{8, 256, 1, 64, []int{5, 255, 400}},
+		{1, 32, 3, 32, []int{0, 31, 70}},
+		{4, 16, 2, 16, []int{0, 17, 40}},
+	} {
+		t.Run(fmt.Sprintf("group%d-split%d", tc.group, tc.split), func(t *testing.T) {
+			bin := emuCompile(t, "decode_emu", "-DHEAD_DIM=128", "-DUSE_BF16=1", fmt.Sprintf("-DGQA_GROUP=%d", tc.group),
+				fmt.Sprintf("-DATT_SPLIT=%d", tc.split), `-DDECODE_CU="`+src+`"`)
+			checkAttnTC(t, bin, tc.group, tc.split, tc.nkv, tc.ps, tc.pos)
+		})
+	}
+}
+
+func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, pos []int) {
+	const hd = 128
+	r := rand.New(rand.NewPCG(uint64(group), uint64(split)))
+	nq, nh := len(pos), group*nkv
+	nsplit, per := 0, 0
+	for _, p := range pos {
+		nsplit = max(nsplit, p/split+1)
+		per = max(per, p/ps+1)
+	}
+	npages := nq * per
+	perm := r.Perm(npages)
+	qrow, ptoff, pages := make([]int32, nq), make([]int32, nq), make([]int32, nq*per)
+	for i := range nq {
+		qrow[i], ptoff[i] = int32(nq-1-i), int32(i*per)
+		for j := range per {
+			pages[i*per+j] = int32(perm[i*per+j])
+		}
+	}
+	bf := func(n int, s float64) []uint16 {
+		v := make([]uint16, n)
+		for i := range v {
+			v[i] = model.F32ToBF16(float32(r.NormFloat64() * s))
+		}
+		return v
+	}
+	kvd := nkv * hd
+	q, kc, vc := bf(nq*nh*hd, 1), bf(npages*ps*kvd, 1), bf(npages*ps*kvd, 1)
+	np := nq * nh * nsplit
+	po, pml := make([]float32, np*hd), make([]float32, np*2)
+	nan := float32(math.NaN())
+	for i := range po {
+		po[i] = nan
+	}
+	for i := range pml {
+		pml[i] = nan
+	}
+	scale := 1 / math.Sqrt(hd)
+	var in bytes.Buffer
+	put(t, &in, int32(nq), int32(nh), int32(nkv), int32(ps), int32(nsplit), int32(npages), int32(per),
+		float32(scale*math.Log2E))
+	p32 := make([]int32, nq)
+	for i, p := range pos {
+		p32[i] = int32(p)
+	}
+	put(t, &in, p32, qrow, ptoff, pages, q, kc, vc, po, pml)
+	got := emuCall[float32](t, bin, &in, np*hd+np*2)
+	gpo, gml := got[:np*hd], got[np*hd:]
+	f := func(h uint16) float64 { return float64(model.BF16ToF32(h)) }
+	for z, p := range pos {
+		for h := range nh {
+			kh := h / group
+			qv := q[int(qrow[z])*nh*hd+h*hd:][:hd]
+			row := func(key int) int {
+				pg := int(pages[int(ptoff[z])+key/ps])
+				return (pg*ps+key%ps)*kvd + kh*hd
+			}
+			s := make([]float64, p+1)
+			for j := range s {
+				kr := kc[row(j):][:hd]
+				for d := range hd {
+					s[j] += f(qv[d]) * f(kr[d])
+				}
+				s[j] *= scale
+			}
+			ns := p/split + 1
+			M, want := math.Inf(-1), make([]float64, hd)
+			for _, v := range s {
+				M = math.Max(M, v)
+			}
+			L := 0.0
+			for j, v := range s {
+				e := math.Exp(v - M)
+				L += e
+				vr := vc[row(j):][:hd]
+				for d := range hd {
+					want[d] += e * f(vr[d])
+				}
+			}
+			// merge the kernel's splits as attn_combine does
+			base := (z*nh + h) * nsplit
+			gm, gl, gotO := math.Inf(-1), 0.0, make([]float64, hd)
+			for sp := range nsplit {
+				m := float64(gml[(base+sp)*2])
+				if sp >= ns {
+					if !math.IsNaN(m) || !math.IsNaN(float64(gpo[(base+sp)*hd])) {
+						t.Fatalf("query %d head %d: split %d past the last key written", z, h, sp)
+					}
+					continue
+				}
+				wm := math.Inf(-1)
+				for _, v := range s[sp*split : min(len(s), (sp+1)*split)] {
+					wm = math.Max(wm, v)
+				}
+				if math.Abs(m-wm) > 1e-4 {
+					t.Fatalf("query %d head %d split %d: max %g, want %g", z, h, sp, m, wm)
+				}
+				gm = math.Max(gm, m)
+			}
+			for sp := range ns {
+				e := math.Exp(float64(gml[(base+sp)*2]) - gm)
+				gl += float64(gml[(base+sp)*2+1]) * e
+				for d := range hd {
+					gotO[d] += float64(gpo[(base+sp)*hd+d]) * e
+				}
+			}
+			var num, den float64
+			for d := range hd {
+				w, g := want[d]/L, gotO[d]/gl
+				num += (w - g) * (w - g)
+				den += w * w
+			}
+			if e := math.Sqrt(num / den); !(e <= 4e-3) {
+				t.Errorf("query %d (pos %d) head %d: relative error %.3g", z, p, h, e)
+			}
+		}
+	}
+}
