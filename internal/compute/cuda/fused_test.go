@@ -17,7 +17,9 @@ import (
 // 8-warp attention), and give the same bits with attn_combine instead of
 // attn_decode2's own merge and launched with programmatic dependent launch. Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
-// that the GEMV cannot read (172).
+// that the GEMV cannot read (172), per-head q/k norms (tiny-qwen3: the old
+// kernels run qk_norm and rope_kv, the others qk_norm_rope, and the fused
+// layer's QKV projection is gemv2_norm).
 func TestFusedDecode(t *testing.T) {
 	type shape struct {
 		name string
@@ -38,6 +40,7 @@ func TestFusedDecode(t *testing.T) {
 		{"tiny-qwen2", random("tiny-qwen2")},
 		{"tiny-llama3", random("tiny-llama3")},
 		{"stories260K", func(t *testing.T) *model.Model { m, _ := stories260K(t); return m }},
+		{"tiny-qwen3", random("tiny-qwen3")},
 	}
 	for _, sh := range shapes {
 		t.Run(sh.name, func(t *testing.T) {
@@ -55,7 +58,7 @@ func TestFusedDecode(t *testing.T) {
 				o.tune = tu
 				return newOrSkip(t, m, o)
 			}
-			old := mk(tuning{noFused: true, decodeV1: true})
+			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true})
 			fusedOld := mk(tuning{decodeV1: true})
 			nw := mk(tuning{skinnyMax: skMaxN, fuseCombine: true}) // every new kernel
 			sep := mk(tuning{skinnyMax: skMaxN})
@@ -64,7 +67,11 @@ func TestFusedDecode(t *testing.T) {
 			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
 				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
 			}
-			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil {
+			if m.Config.Spec.Attention.QKNorm && (fusedOld.bk.qkNormRope == nil || nw.bk.qkNormRope == nil) {
+				t.Fatal("qk_norm_rope not loaded")
+			}
+			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil ||
+				old.bk.qkNormRope != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
 			}
 			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil || nw.fn.attnCnt == 0 || sep.fn.attnCnt != 0 {
