@@ -474,15 +474,15 @@ func putT(t *testing.T, w *bytes.Buffer, bf bool, v []float32) {
 // TestQKNormRopeEmulated runs qk_norm_rope on the host against qk_norm (also
 // emulated) followed by a Go copy of rope_kv's arithmetic (llama.cu: f32
 // operations in its order, cos/sin from the table or in double): q and the
-// K/V cache bit for bit, in float32 and bfloat16, head dims 64 and 128, both
-// RoPE styles, with and without biases, a token without a slot (-1: no KV
-// write) and positions past the table. Cache elements no slot points at must
-// keep their bytes.
+// K/V cache bit for bit, in float32 and bfloat16, head dims 64, 128 and 48
+// (lanes past the head), both RoPE styles, with and without biases, a token
+// without a slot (-1: no KV write) and positions past the table. Cache
+// elements no slot points at must keep their bytes.
 func TestQKNormRopeEmulated(t *testing.T) {
 	for _, tc := range []struct {
 		hd   int
 		bf16 bool
-	}{{64, false}, {64, true}, {128, false}, {128, true}} {
+	}{{64, false}, {64, true}, {128, false}, {128, true}, {48, true}} {
 		t.Run(fmt.Sprintf("hd%d_bf16_%v", tc.hd, tc.bf16), func(t *testing.T) {
 			bin := blocksEmu(t, tc.hd, tc.bf16)
 			hd, half := tc.hd, tc.hd/2
