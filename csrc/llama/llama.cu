@@ -843,6 +843,7 @@ struct g2_args {
 	const float2 *tab;
 	const double *inv_freq;
 	bf16_t *h;            // G2_SILU
+	bf16_t *xo;           // NORM: block 0 also writes the normalised rows here, or 0
 	int n, out, in, vt, ntab, nheads, nkv, interleaved;
 	float beta, eps;
 };
@@ -927,7 +928,8 @@ __device__ __forceinline__ void g2_epilogue(const g2_args &a, int u, int r0, int
 	}
 }
 
-// g2_norm writes rmsnorm(x[rows[t]]) * normw for t < n into xs as T.
+// g2_norm writes rmsnorm(x[rows[t]]) * normw for t < n into xs as T (and,
+// in block 0, into a.xo when set: rmsnorm's output).
 __device__ __forceinline__ void g2_norm(const g2_args &a, bf16_t *xs, float *red) {
 	int nc = a.in >> 3;
 	for (int t = 0; t < a.n; t++) {
@@ -951,6 +953,7 @@ __device__ __forceinline__ void g2_norm(const g2_args &a, bf16_t *xs, float *red
 #pragma unroll
 			for (int e = 0; e < 8; e++) o[e] = w[e] * (sc * v[e]);
 			store8(xs + (long long)t * a.in + c * 8, o);
+			if (a.xo && blockIdx.x == 0) store8(a.xo + (long long)t * a.in + c * 8, o);
 		}
 	}
 	__syncthreads();
@@ -1046,11 +1049,13 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, c
 	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
-// gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits).
+// gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a
+// q/k-norm model's QKV, the MoE router); xo (or 0) gets the normalised rows.
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
-	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps) {
+	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo) {
 	g2_args a = {};
 	a.W = W, a.x = x, a.normw = normw, a.rows = rows, a.Y = Y, a.n = n, a.out = out, a.in = in, a.vt = vt, a.eps = eps;
+	a.xo = xo;
 	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
 }
 // gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV

@@ -93,7 +93,7 @@ stage() {
 }
 
 core='TestGraph|TestStepTimes|TestStories260K|TestBatchInvariance'
-fused='TestFusedDecode|TestKernelsV2'
+fused='TestFusedDecode|TestFusedMoE|TestKernelsV2'
 samp='TestSampleMatchesCPU|TestSamplePhiloxExp|TestForwardSampleMatchesHost'
 want() { case " ${STAGES:-cuda core fused sample rest kernels bench} " in *" $1 "*) return 0 ;; esac; return 1; }
 want cuda && stage cuda 50 internal/cuda internal.cuda.test

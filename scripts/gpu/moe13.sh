@@ -4,7 +4,8 @@
 # each step bounded and skipped once LIMIT seconds are spent:
 #   tests   internal/compute/cuda: TestGraphMoE (MoE decode captured, replay
 #           == padded eager, one pass == chunks), TestConformance,
-#           TestGolden, TestGraphEqualsEager, TestFusedDecode, TestKernelsV2
+#           TestGolden, TestGraphEqualsEager, TestFusedDecode, TestFusedMoE,
+#           TestKernelsV2
 #   extra   EXTRA_TESTS="dir bin regexp; ..." (other bundled test binaries)
 #   vram    scripts/gpu/tcp-vram.sh: bench transfer --use-vram over tcp against
 #           raw TCP (BIN_B=gpu-bundle/bin/X.xz: X and the bundle's CLI in turn)
@@ -36,7 +37,7 @@ t() { # name dir bin timeout run
 	grep -hE '^\s*--- (FAIL|SKIP)|_test.go:[0-9]+: .*(rel|skip|FAIL|mismatch|differ|graphs|rejected|error)' "$O/$1.log" | head -14 | cut -c1-220 | tee -a "$O/run.log"
 }
 if want tests; then
-	t cuda internal/compute/cuda internal.compute.cuda.test "${TESTS_TIMEOUT:-200}" "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestKernelsV2}"
+	t cuda internal/compute/cuda internal.compute.cuda.test "${TESTS_TIMEOUT:-200}" "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestFusedMoE|TestKernelsV2}"
 	grep -h "second-generation kernels rejected" "$O/cuda.log" | head -3 | cut -c1-600 | tee -a "$O/run.log"
 fi
 if want rdma && [ -x "$w/mooncake-go" ]; then

@@ -17,7 +17,8 @@ import (
 // q/k RMSNorm, RoPE and the KV write, attention, the output projection) and
 // the MLP block, dense SwiGLU (denseMLP) or a mixture of experts (moeMLP).
 // Llama's blocks keep the fused decode kernels; a block with q/k norms runs
-// the projection, qk_norm and rope_kv as separate kernels.
+// the projection (gemv2_norm at fused sizes, else rmsnorm and a GEMM), then
+// qk_norm_rope (q/k norms, RoPE and the KV write).
 
 // ErrUnsupported marks a model the CUDA backend does not run.
 var ErrUnsupported = errors.New("cuda backend: not supported")
@@ -43,6 +44,7 @@ type blockKernels struct {
 	mod                                             *cu.Module
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
 	moeRoute, gemvSiLU, gemvDown                    *cu.Function
+	qkNormRope                                      *cu.Function // nil with tuning noQKRope: qk_norm, rope_kv
 	moeSiLU, moeDown                                *cu.Function // moe_sk_*: bf16 only
 	grouped                                         bool         // the shapes suit the grouped kernels
 	// the grouped GEMMs' split-K: resident blocks of the GPU, and the
@@ -75,10 +77,13 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		name string
 	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
 		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}, {&bk.gemvSiLU, "moe_gemv_silu"},
-		{&bk.gemvDown, "moe_gemv_down"}} {
+		{&bk.gemvDown, "moe_gemv_down"}, {&bk.qkNormRope, "qk_norm_rope"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
 		}
+	}
+	if b.opts.tune.noQKRope {
+		bk.qkNormRope = nil
 	}
 	return nil
 }
@@ -218,9 +223,23 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			w.bqkv, lp.meta(p.pos), lp.slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), int32(c.Heads),
 			int32(c.KVHeads), lp.interleaved, int32(cps), f.skPart, f.skCnt)
 	default:
-		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
-		r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
+		if lp.fused && qkNorm {
+			// rmsnorm and the GEMV in one launch (rows null: every token).
+			f := b.fn.g2Norm
+			r.launchDep(f, b.g2Grid(f, (qd+2*kvd+1)/2), cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
+				int32(n), int32(qd+2*kvd), int32(dim), lp.vt, c.NormEps, null)
+		} else {
+			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
+			r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
+		}
 		bias := w.bqkv
+		if qkNorm && b.bk.qkNormRope != nil {
+			// The biases, each q and k head's RMSNorm, RoPE and the KV write.
+			r.launch(b.bk.qkNormRope, cu.Dim3{X: nb, Y: uint32(c.Heads + 2*c.KVHeads), Z: 1}, cu.D1(32), 0, d.q, kc, vc,
+				d.qkv, w.bqkv, w.qNorm, w.kNorm, lp.meta(p.pos), lp.slots, b.ropeTab, b.rope, int32(b.ropeN),
+				int32(c.Heads), int32(c.KVHeads), lp.interleaved, c.NormEps)
+			break
+		}
 		if qkNorm {
 			// The biases, then each q and k head's RMSNorm, in place.
 			heads := c.Heads + c.KVHeads // the v heads' blocks only add their bias
@@ -440,8 +459,15 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	nk := n * K
 	stride := b.moeStride()
 	null := cu.DevicePtr(0)
-	r.launch(b.fn.rmsnorm, cu.D1(uint32(n)), cu.D1(rmsThreads(dim)), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
-	r.gemm(m.logits.p, true, d.xb, mw.router, n, stride, dim, 0)
+	if lp.fused {
+		// rmsnorm and the router GEMV in one launch; its block 0 writes d.xb.
+		f := b.fn.g2Norm
+		r.launchDep(f, b.g2Grid(f, (stride+1)/2), cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
+			int32(n), int32(stride), int32(dim), lp.vt, c.NormEps, d.xb)
+	} else {
+		r.launch(b.fn.rmsnorm, cu.D1(uint32(n)), cu.D1(rmsThreads(dim)), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
+		r.gemm(m.logits.p, true, d.xb, mw.router, n, stride, dim, 0)
+	}
 	sh, gate := null, null
 	if mw.sw13 != 0 {
 		r.gemm(m.sgu.p, false, d.xb, mw.sw13, n, 2*S, dim, 0)

@@ -470,3 +470,129 @@ func putT(t *testing.T, w *bytes.Buffer, bf bool, v []float32) {
 	}
 	put(t, w, h)
 }
+
+// TestQKNormRopeEmulated runs qk_norm_rope on the host against qk_norm (also
+// emulated) followed by a Go copy of rope_kv's arithmetic (llama.cu: f32
+// operations in its order, cos/sin from the table or in double): q and the
+// K/V cache bit for bit, in float32 and bfloat16, head dims 64, 128 and 48
+// (lanes past the head), both RoPE styles, with and without biases, a token
+// without a slot (-1: no KV write) and positions past the table. Cache
+// elements no slot points at must keep their bytes.
+func TestQKNormRopeEmulated(t *testing.T) {
+	for _, tc := range []struct {
+		hd   int
+		bf16 bool
+	}{{64, false}, {64, true}, {128, false}, {128, true}, {48, true}} {
+		t.Run(fmt.Sprintf("hd%d_bf16_%v", tc.hd, tc.bf16), func(t *testing.T) {
+			bin := blocksEmu(t, tc.hd, tc.bf16)
+			hd, half := tc.hd, tc.hd/2
+			r := rand.New(rand.NewPCG(5, uint64(tc.hd)))
+			const n, nh, nkv, ntab = 6, 4, 2, 16
+			const eps = float32(1e-6)
+			W, QD, KVD := (nh+2*nkv)*hd, nh*hd, nkv*hd
+			pos := []int32{0, 3, ntab - 1, ntab, 70000, 1<<20 + 7}
+			slot := []int64{int64(2 * KVD), -1, 0, int64(5 * KVD), int64(KVD), int64(3 * KVD)}
+			ce := 7 * KVD // rows 4 and 6 are never written
+			inv := make([]float64, half)
+			for i := range inv {
+				inv[i] = math.Pow(1e6, -float64(2*i)/float64(hd))
+			}
+			tab := make([]float32, ntab*half*2)
+			for p := 0; p < ntab; p++ {
+				for i := 0; i < half; i++ {
+					a := float64(p) * inv[i]
+					tab[2*(p*half+i)], tab[2*(p*half+i)+1] = float32(math.Cos(a)), float32(math.Sin(a))
+				}
+			}
+			for _, hb := range []int32{0, 1} {
+				for _, il := range []int32{0, 1} {
+					qkv, bias := randF32(r, n*W, 2), randF32(r, W, 0.5)
+					qw, kw := randF32(r, hd, 0.3), randF32(r, hd, 0.3)
+					for i := range qw {
+						qw[i], kw[i] = 1+qw[i], 1+kw[i]
+					}
+					// The reference: qk_norm in place, then rope_kv without a bias.
+					var in bytes.Buffer
+					put(t, &in, int32(1), int32(n), int32(nh), int32(nkv), hb, eps, qkv, bias, qw, kw)
+					norm := emuCall[float32](t, bin, &in, n*W)
+					ones := uint32(0xffffffff)
+					if tc.bf16 {
+						ones = 0xffff
+					}
+					fill := func(k int) []uint32 {
+						v := make([]uint32, k)
+						for i := range v {
+							v[i] = ones
+						}
+						return v
+					}
+					wq, wk, wv := fill(n*QD), fill(ce), fill(ce)
+					st := func(dst []uint32, i int64, v float32) {
+						if tc.bf16 {
+							dst[i] = uint32(bf16Bits(v))
+						} else {
+							dst[i] = math.Float32bits(v)
+						}
+					}
+					for tk := 0; tk < n; tk++ {
+						row := norm[tk*W : (tk+1)*W]
+						for j := 0; j < (nh+nkv)*half; j++ {
+							h, i := j/half, j%half
+							ia, ib := h*hd+i, h*hd+i+half
+							if il == 1 {
+								ia, ib = h*hd+2*i, h*hd+2*i+1
+							}
+							p := int(pos[tk])
+							var c, sv float32
+							if p < ntab {
+								c, sv = tab[2*(p*half+i)], tab[2*(p*half+i)+1]
+							} else {
+								a := float64(p) * inv[i]
+								c, sv = float32(math.Cos(a)), float32(math.Sin(a))
+							}
+							a, b := row[ia], row[ib]
+							ra := float32(float32(a*c) - float32(b*sv))
+							rb := float32(float32(a*sv) + float32(b*c))
+							switch s := slot[tk]; {
+							case h < nh:
+								st(wq, int64(tk*QD+ia), ra)
+								st(wq, int64(tk*QD+ib), rb)
+							case s >= 0:
+								st(wk, s+int64(ia-QD), ra)
+								st(wk, s+int64(ib-QD), rb)
+							}
+						}
+						if s := slot[tk]; s >= 0 {
+							for e := 0; e < KVD; e++ {
+								st(wv, s+int64(e), row[QD+KVD+e])
+							}
+						}
+					}
+					in.Reset()
+					put(t, &in, int32(6), int32(n), int32(nh), int32(nkv), hb, il, int32(ntab), int32(ce), eps, qkv, bias, qw, kw,
+						pos, slot, tab, inv)
+					var got []uint32
+					if tc.bf16 {
+						for _, v := range emuCall[uint16](t, bin, &in, n*QD+2*ce) {
+							got = append(got, uint32(v))
+						}
+					} else {
+						got = emuCall[uint32](t, bin, &in, n*QD+2*ce)
+					}
+					want := append(append(wq, wk...), wv...)
+					for i := range want {
+						if got[i] != want[i] {
+							what, at := "q", i
+							if i >= n*QD+ce {
+								what, at = "v cache", i-n*QD-ce
+							} else if i >= n*QD {
+								what, at = "k cache", i-n*QD
+							}
+							t.Fatalf("bias %d interleaved %d: %s element %d: %#x, want %#x", hb, il, what, at, got[i], want[i])
+						}
+					}
+				}
+			}
+		})
+	}
+}

@@ -437,7 +437,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	if b.fused(m) {
 		f := b.fn.g2Norm
 		r.launchDep(f, b.g2Grid(f, (rows+1)/2), cu.D1(g2Threads), uint32(m*dim*2), lg, d.x, b.w.norm,
-			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps)
+			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps, cu.DevicePtr(0))
 	} else {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsThreads(dim)), 0, d.lx, d.x, b.w.norm, lp.meta(p.lrows), int32(dim),
 			c.NormEps)

@@ -19,7 +19,9 @@ import (
 // attn_decode2's own merge and launched with programmatic dependent launch; the
 // defaults (attn_decode_tc at head dim 128) stay near them too. Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
-// that the GEMV cannot read (172).
+// that the GEMV cannot read (172), per-head q/k norms (tiny-qwen3: the old
+// kernels run qk_norm and rope_kv, the others qk_norm_rope, and the fused
+// layer's QKV projection is gemv2_norm).
 func TestFusedDecode(t *testing.T) {
 	type shape struct {
 		name string
@@ -40,6 +42,7 @@ func TestFusedDecode(t *testing.T) {
 		{"tiny-qwen2", random("tiny-qwen2")},
 		{"tiny-llama3", random("tiny-llama3")},
 		{"stories260K", func(t *testing.T) *model.Model { m, _ := stories260K(t); return m }},
+		{"tiny-qwen3", random("tiny-qwen3")},
 	}
 	for _, sh := range shapes {
 		t.Run(sh.name, func(t *testing.T) {
@@ -57,7 +60,7 @@ func TestFusedDecode(t *testing.T) {
 				o.tune = tu
 				return newOrSkip(t, m, o)
 			}
-			old := mk(tuning{noFused: true, decodeV1: true})
+			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true})
 			fusedOld := mk(tuning{decodeV1: true})
 			nw := mk(tuning{skinnyMax: skMaxN, fuseCombine: true}) // every new kernel
 			sep := mk(tuning{skinnyMax: skMaxN, noTC: true})
@@ -70,7 +73,11 @@ func TestFusedDecode(t *testing.T) {
 			if fusedOld.fn.g2QKV == nil || nw.fn.g2QKV == nil {
 				t.Fatalf("fused decode kernels not loaded (v2: %v)", nw.fn.v2Err)
 			}
-			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil {
+			if m.Config.Spec.Attention.QKNorm && (fusedOld.bk.qkNormRope == nil || nw.bk.qkNormRope == nil) {
+				t.Fatal("qk_norm_rope not loaded")
+			}
+			if old.fn.g2QKV != nil || old.fn.attnDecode == nil || old.fn.attnDecode2 != nil || old.fn.skPlain != nil ||
+				old.bk.qkNormRope != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
 			}
 			if nw.fn.attnDecode2 == nil || nw.fn.skPlain == nil || nw.fn.attnCnt == 0 || sep.fn.attnCnt != 0 {
@@ -147,5 +154,53 @@ func TestResidentBlocks(t *testing.T) {
 	}
 	if got := rmsVT(64); got != 32 {
 		t.Errorf("rmsVT(64) = %d, want 32", got)
+	}
+}
+
+// TestFusedMoE checks the fused decode layer of a q/k-norm MoE model
+// (tiny-qwen3-moe, bfloat16: gemv2_norm for the QKV projection and for the
+// router, whose block 0 also writes the experts' normalised x; qk_norm_rope)
+// against the separate kernels (rmsnorm, gemv_*, qk_norm, rope_kv): logits
+// bit for bit over prefill and decode at batch sizes 1 to 4 and 6 (past the
+// fused layer: qk_norm_rope against qk_norm + rope_kv alone).
+func TestFusedMoE(t *testing.T) {
+	m, err := model.NewRandom("tiny-qwen3-moe", 17)
+	if err != nil {
+		t.Fatal(err)
+	}
+	V := m.Config.Vocab
+	groups := []int{1, 2, 3, 4, 6}
+	const per, steps = 12, 6
+	total := 0
+	for _, g := range groups {
+		total += g
+	}
+	o := Options{DType: "bfloat16", PageSize: 16, Pages: total * per}
+	mk := func(tu tuning) *Backend {
+		o := o
+		o.tune = tu
+		return newOrSkip(t, m, o)
+	}
+	old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true})
+	fused := mk(tuning{decodeV1: true})
+	if fused.fn.g2Norm == nil || fused.bk.qkNormRope == nil || !fused.moeCapturable() {
+		t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, grouped experts %v", fused.fn.v2Err,
+			fused.bk.qkNormRope != nil, fused.moeCapturable())
+	}
+	if old.fn.g2QKV != nil || old.bk.qkNormRope != nil {
+		t.Fatal("the old-kernels backend loaded new kernels")
+	}
+	r := newRand(29)
+	base := 0
+	for _, n := range groups {
+		prompts := make([][]int32, n)
+		for i := range prompts {
+			prompts[i] = randPrompt(r, 3+13*i%40, V) // 3 tokens: a prefill through the fused layer
+		}
+		res := lockstep(t, []*Backend{old, fused}, prompts, base, per, steps)
+		base += n
+		if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
+			t.Errorf("batch %d: fused vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+		}
 	}
 }

@@ -364,7 +364,7 @@ func (k *kbench) gemvs() {
 		}
 		newLM := func(int) {
 			k.launch(f.g2Norm, b.g2Grid(f.g2Norm, (V+1)/2), cu.D1(g2Threads), xs, lg[1], x, b.w.norm, rows, b.w.lmHead, n32,
-				int32(V), int32(dim), vt, eps)
+				int32(V), int32(dim), vt, eps, cu.DevicePtr(0))
 		}
 		oldLM(0)
 		newLM(0)

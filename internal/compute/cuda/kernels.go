@@ -51,6 +51,9 @@ type tuning struct {
 	// of it finishes).
 	pdl  bool
 	noV2 bool // compile without the second-generation kernels
+	// noQKRope: q/k-norm models run qk_norm and rope_kv instead of
+	// qk_norm_rope (the reference TestFusedDecode compares against).
+	noQKRope bool
 }
 
 // v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that

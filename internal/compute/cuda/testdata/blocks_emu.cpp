@@ -16,6 +16,11 @@
 //            src [rows], X T [tokens (silu) or rows][in], W T
 //            [E][(2 if silu) units][in]; moe_gemv_silu or moe_gemv_down;
 //            out h T or Y f32 [rows][units].
+//   qk_norm_rope: n, heads, kv heads, has bias, interleaved, ntab, cache
+//            elements, eps (f32), qkv f32 [n][W], bias f32 [W], qw, kw f32
+//            [HEAD_DIM], pos [n], slot int64 [n], tab f32 [ntab][HEAD_DIM/2][2],
+//            inv_freq f64 [HEAD_DIM/2]; q, kc, vc start as all-ones bytes;
+//            out q T [n][heads*HEAD_DIM], kc T, vc T [cache elements].
 #include "cudaemu.h"
 #include BLOCKS_CU
 
@@ -122,6 +127,35 @@ int main(int argc, char **argv) {
 					   (const int *)act.data(), (const int *)nact.data(), (const int *)offs.data(), units, n);
 				wrv(Y, (size_t)rows * units);
 			}
+		} else if (op == 6) {
+			int n = rd(), nh = rd(), nkv = rd(), hb = rd(), il = rd(), ntab = rd(), ce = rd();
+			float eps;
+			if (fread(&eps, 4, 1, in) != 1) return 2;
+			size_t W = (size_t)(nh + 2 * nkv) * HEAD_DIM, QD = (size_t)nh * HEAD_DIM;
+			std::vector<float> qkv, bias, qw, kw;
+			std::vector<int> pos;
+			std::vector<long long> slot;
+			std::vector<float2> tab;
+			std::vector<double> inv;
+			rdv(qkv, n * W);
+			rdv(bias, W);
+			rdv(qw, HEAD_DIM);
+			rdv(kw, HEAD_DIM);
+			rdv(pos, n);
+			rdv(slot, n);
+			rdv(tab, (size_t)ntab * (HEAD_DIM / 2));
+			rdv(inv, HEAD_DIM / 2);
+			std::vector<T> q(n * QD + 1), kc(ce + 1), vc(ce + 1);
+			memset(q.data(), 0xff, q.size() * sizeof(T));
+			memset(kc.data(), 0xff, kc.size() * sizeof(T));
+			memset(vc.data(), 0xff, vc.size() * sizeof(T));
+			emu_launch(qk_norm_rope, {(unsigned)n, (unsigned)(nh + 2 * nkv), 1}, 32, q.data(), kc.data(), vc.data(),
+				   (const float *)qkv.data(), (const float *)(hb ? bias.data() : nullptr), (const float *)qw.data(),
+				   (const float *)kw.data(), (const int *)pos.data(), (const long long *)slot.data(),
+				   (const float2 *)tab.data(), (const double *)inv.data(), ntab, nh, nkv, il, eps);
+			wrv(q, n * QD);
+			wrv(kc, ce);
+			wrv(vc, ce);
 		} else {
 			return 3;
 		}

@@ -21,6 +21,9 @@ struct uint4 {
 struct float4 {
 	float x, y, z, w;
 };
+struct float2 {
+	float x, y;
+};
 struct emu_dim3 {
 	unsigned x, y, z;
 };
