@@ -597,7 +597,7 @@ func (k *kbench) attention() {
 	k.randT(q, maxBS*uint64(qd), 43, 1)
 	maxSplit := ceilDiv(maxCtx+1, b.fn.split)
 	part := k.alloc(maxBS * uint64(c.Heads) * uint64(maxSplit) * uint64(hd+2) * 4)
-	var att [5]cu.DevicePtr
+	var att [6]cu.DevicePtr
 	for i := range att {
 		att[i] = k.alloc(maxBS * uint64(qd) * 2)
 	}
@@ -630,9 +630,9 @@ func (k *kbench) attention() {
 	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
 	null := cu.DevicePtr(0)
 	k.add("")
-	k.add("attention variants: split = attn_split + attn_combine (the f32 reference), tc = attn_decode_tc + combine (the default), d2 = attn_decode2 + combine, d2m = attn_decode2 merging its own splits, d2m8 = attn_decode2_w8 merging; us per layer, %% of HBM on the K and V bytes")
-	k.add("| attention, one layer | batch | ctx | floor us | split us | tc us (%%) | d2 us (%%) | d2m us (%%) | d2m8 us (%%) | combine alone us | checks |")
-	k.add("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+	k.add("attention variants: split = attn_split + attn_combine (the f32 reference), tc = attn_decode_tc + combine (the default: kv heads along the grid's x), tcs = the same with splits along x, d2 = attn_decode2 + combine, d2m = attn_decode2 merging its own splits, d2m8 = attn_decode2_w8 merging; us per layer, %% of HBM on the K and V bytes")
+	k.add("| attention, one layer | batch | ctx | floor us | split us | tc us (%%) | d2 us (%%) | d2m us (%%) | d2m8 us (%%) | tcs us (%%) | combine alone us | checks |")
+	k.add("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 	for _, cs := range []struct{ bs, ctx int }{{1, 1024}, {1, 8192}, {1, 32768}, {8, 1024}, {8, 8192}, {8, 32768},
 		{32, 1024}, {32, 8192}, {32, 32768}, {128, 1024}, {128, 8192}, {128, 32768}, {256, 1024}, {256, 8192}, {256, 32768}} {
 		ps32 := make([]int32, maxBS)
@@ -659,13 +659,21 @@ func (k *kbench) attention() {
 				k.launch(split, grid, cu.D1(uint32(f.attThreads)), 0, args(div, int32(0))...)
 				combine(att[0])
 			},
-			func(int) { k.launch(tc, grid, cu.D1(uint32(f.tcThreads)), 0, args(scaleLog2)...); combine(att[1]) },
+			func(int) {
+				hgrid := cu.Dim3{X: grid.Y, Y: grid.X, Z: grid.Z}
+				k.launch(tc, hgrid, cu.D1(uint32(f.tcThreads)), 0, args(scaleLog2, int32(1))...)
+				combine(att[1])
+			},
 			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, null, null)...); combine(att[2]) },
 			func(int) { k.launch(dec2, grid, cu.D1(128), 0, args(scaleLog2, att[3], f.attnCnt)...) },
 			func(int) { k.launch(dec2w8, grid, cu.D1(256), 0, args(scaleLog2, att[4], f.attnCnt)...) },
+			func(int) {
+				k.launch(tc, grid, cu.D1(uint32(f.tcThreads)), 0, args(scaleLog2, int32(0))...)
+				combine(att[5])
+			},
 		}
-		var got [5][]float32
-		var raw [5][]byte
+		var got [6][]float32
+		var raw [6][]byte
 		check := cs.bs*cs.ctx <= 32*8192
 		for i, fn := range kern {
 			if !check {
@@ -682,7 +690,7 @@ func (k *kbench) attention() {
 		verdict := "not checked"
 		if check {
 			verdict = ""
-			for i, name := range []string{"tc", "d2", "d2m", "d2m8"} {
+			for i, name := range []string{"tc", "d2", "d2m", "d2m8", "tcs"} {
 				e := relErr(got[i+1], got[0])
 				nan := 0
 				for _, v := range got[i+1] {
@@ -695,6 +703,9 @@ func (k *kbench) attention() {
 				}
 				verdict += fmt.Sprintf("%s %.1e ", name, e)
 			}
+			if !bytes.Equal(raw[1], raw[5]) {
+				k.fail("batch %d ctx %d: attn_decode_tc differs between the two grid orders", cs.bs, cs.ctx)
+			}
 			if !bytes.Equal(raw[3], raw[2]) {
 				k.fail("batch %d ctx %d: attn_decode2 merging its splits differs from attn_combine's merge", cs.bs, cs.ctx)
 				verdict += "d2m != d2 "
@@ -702,7 +713,7 @@ func (k *kbench) attention() {
 				verdict += "d2m == d2 "
 			}
 		}
-		var us [5]float64
+		var us [6]float64
 		for i, fn := range kern {
 			if i == 0 && cs.bs*cs.ctx > 128*8192 {
 				continue // the reference kernel is slow here; the others are what matter
@@ -711,8 +722,8 @@ func (k *kbench) attention() {
 		}
 		cus := k.time(inner, func(int) { combine(att[2]) })
 		pc := func(i int) float64 { _, p := k.gbs(kvBytes, us[i]); return p }
-		k.add("| attention | %d | %d | %.1f | %.1f | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f | %s|", cs.bs, cs.ctx,
-			floorUS, us[0], us[1], pc(1), us[2], pc(2), us[3], pc(3), us[4], pc(4), cus, verdict)
+		k.add("| attention | %d | %d | %.1f | %.1f | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f | %s|",
+			cs.bs, cs.ctx, floorUS, us[0], us[1], pc(1), us[2], pc(2), us[3], pc(3), us[4], pc(4), us[5], pc(5), cus, verdict)
 	}
 }
 
