@@ -30,8 +30,7 @@
 //     permutes. The lane then holds O^T of heads 2t, 2t+1: their rescale
 //     factors come from lanes 8t and 8t+4.
 // The warps' (m, l, O) merge in shared memory in warp order, as
-// attn_decode2's key slots do; m is stored in natural-log units. With
-// heads_x the grid is (kv head, split, query) instead.
+// attn_decode2's key slots do; m is stored in natural-log units.
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -69,13 +68,11 @@ __device__ __forceinline__ u32 tc_word(uint4 v, int i) { return i == 0 ? v.x : i
 
 extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) attn_decode_tc(float *part_o, float *part_ml,
 	const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff,
-	const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2, int heads_x) {
+	const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
 	tc_pdl_trigger();
 	__shared__ __align__(16) float os[TC_WARPS][GQA_GROUP][HEAD_DIM];
 	__shared__ float ms[TC_WARPS][GQA_GROUP], ls[TC_WARPS][GQA_GROUP];
-	// heads_x: the grid is (kv head, split, query), so blocks that run at
-	// once read the same keys' rows of every KV head
-	int split = heads_x ? blockIdx.y : blockIdx.x, g = heads_x ? blockIdx.x : blockIdx.y, z = blockIdx.z, qi = qi0 + z;
+	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
 	int npos = pos[qi] + 1;
 	int k0 = split * ATT_SPLIT;
 	if (k0 >= npos) return;

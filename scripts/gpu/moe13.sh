@@ -20,6 +20,9 @@
 #           (1 32); PROFILE_TIMEOUT (120 s)
 #   peak    host memory while loading a bf16 HF directory (qwen3-30b-a3b-8l,
 #           convert --random) onto the GPU: TestLoadPeakHF
+#   kprof   ncu (memory, stalls, occupancy) over single kernels of TestKernelBench8B:
+#           KPROF="part:BxC:regex:count ..." (default: the decode attention at
+#           128x1K and 32x1K, gemv2_plain, gemv2_silu)
 #   kernels TestKernelBench8B: the 8B shape's decode kernels one by one
 #           (us and % of HBM; attention at batch 1..256, ctx 1K..32K)
 #   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression; DENSE_VARIANTS, DENSE_TIMEOUT)
@@ -30,7 +33,7 @@ set -u
 DEF_OUT=/tmp/moe13 DEF_LIMIT=540
 . "$(dirname "$0")/common.sh"
 unpack_bins
-want() { case " ${STAGES:-tests extra vram profile graph prefill pd rdma peak kernels dense} " in *" $1 "*) return 0 ;; esac; return 1; }
+want() { case " ${STAGES:-tests extra vram profile graph prefill pd rdma peak kprof kernels dense} " in *" $1 "*) return 0 ;; esac; return 1; }
 t() { # name dir bin timeout run
 	(cd "$root/$2" && timeout "$4" "$w/$3" -test.v -test.run "$5") >"$O/$1.log" 2>&1
 	log "$1 rc $?: $(grep -cE '^\s*--- PASS' "$O/$1.log") pass, $(grep -cE '^\s*--- FAIL' "$O/$1.log") fail, $(grep -cE '^\s*--- SKIP' "$O/$1.log") skip"
@@ -130,6 +133,22 @@ if want peak && left 150 peak; then
 	log "load peak rc $?"
 	grep -hE "host peak|FAIL|panic" "$O/peak.log" | cut -c1-400 | tee -a "$O/run.log"
 	rm -rf "$d"
+fi
+if want kprof && left 120 kprof; then
+	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+	i=0
+	for spec in ${KPROF:-attention:128x1024:^(attn_decode_tc|attn_decode2)$:3 attention:32x1024:^(attn_decode_tc|attn_decode2)$:3 gemvs:-:^gemv2_plain$:1 gemvs:-:^gemv2_silu$:1}; do
+		IFS=: read -r part attn re cnt <<<"$spec"
+		i=$((i + 1))
+		(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_KBENCH_PARTS=$part MOONCAKE_KBENCH_ATTN=${attn#-} timeout 120 \
+			$NCU --clock-control none --kernel-name "regex:$re" --launch-count "$cnt" --section SpeedOfLight \
+			--section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+			--section SchedulerStats -f -o "$w/kprof$i" "$w/internal.compute.cuda.test" -test.run 'TestKernelBench8B$') >"$O/kprof$i.log" 2>&1
+		log "kprof $spec rc $?"
+		$NCU -i "$w/kprof$i.ncu-rep" --page details >"$O/kprof$i.txt" 2>&1
+		grep -E "^  [a-z_0-9]+ \(|Duration|DRAM Throughput|Memory Throughput|L1/TEX Hit|L2 Hit|Mem Busy|Max Bandwidth|Achieved Occupancy|Theoretical Occupancy|Registers Per|Warp Cycles Per Issued|Block Limit|Eligible Warps|Issued Warp|No Eligible|Active Warps Per" \
+			"$O/kprof$i.txt" | cut -c1-160 | tee -a "$O/run.log"
+	done
 fi
 if want kernels && left 90 kernels; then
 	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 BENCH_OUT=$O/kbench.txt timeout 90 "$w/internal.compute.cuda.test" -test.v \

@@ -286,13 +286,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, lp.scaleLog2, d.att, f.attnCnt)...)
 			continue
 		case f.attnTC != nil && b.layout.PageSize%16 == 0:
-			hx := int32(1) // kv heads along x: blocks that run at once read the same keys' rows
-			if b.opts.tune.tcSplitsX {
-				hx = 0
-			} else {
-				grid.X, grid.Y = grid.Y, grid.X
-			}
-			r.launch(f.attnTC, grid, cu.D1(uint32(f.tcThreads)), 0, append(args, lp.scaleLog2, hx)...)
+			r.launch(f.attnTC, grid, cu.D1(uint32(f.tcThreads)), 0, append(args, lp.scaleLog2)...)
 		case f.attnDecode2 != nil:
 			r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, lp.scaleLog2, null, null)...)
 		case f.attnDecode != nil:

@@ -19,7 +19,7 @@ import (
 // alone. Shapes: 1, 4 and 8 query heads per KV head; splits of 16, 32, 128
 // and 256 keys (1 and 2 warps; 8 warps of one chunk; 8 warps of two); pages of 16,
 // 32 and 64 in a random order; queries of 1 key to several splits, partial
-// chunks among them; the grid in both orders (heads_x).
+// chunks among them.
 func TestAttnTCEmulated(t *testing.T) {
 	src, _ := filepath.Abs("../../../csrc/llama/decode.cu")
 	for _, tc := range []struct {
@@ -83,7 +83,7 @@ func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, pos []int)
 	for i, p := range pos {
 		p32[i] = int32(p)
 	}
-	put(t, &in, p32, qrow, ptoff, pages, q, kc, vc, po, pml, int32(split/32%2)) // heads_x for some
+	put(t, &in, p32, qrow, ptoff, pages, q, kc, vc, po, pml)
 	got := emuCall[float32](t, bin, &in, np*hd+np*2)
 	gpo, gml := got[:np*hd], got[np*hd:]
 	f := func(h uint16) float64 { return float64(model.BF16ToF32(h)) }

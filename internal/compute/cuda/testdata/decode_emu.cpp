@@ -7,7 +7,7 @@
 // ptoff [nq], pages [nq * pages per query], q bf16 [nq][nheads][HEAD_DIM],
 // kc, vc bf16 [npages][page_size][nkv][HEAD_DIM], part_o f32
 // [nq][nheads][nsplit][HEAD_DIM], part_ml f32 [nq][nheads][nsplit][2] (the
-// initial contents), heads_x. Output: part_o, part_ml.
+// initial contents). Output: part_o, part_ml.
 #include "cudaemu.h"
 #include DECODE_CU
 
@@ -48,12 +48,9 @@ int main(int argc, char **argv) {
 	size_t np = (size_t)nq * nh * nsplit;
 	rdv(po, np * HEAD_DIM);
 	rdv(pml, np * 2);
-	int hx = rd();
-	emu_dim3 grid = {(unsigned)nsplit, (unsigned)nkv, (unsigned)nq};
-	if (hx) grid = {(unsigned)nkv, (unsigned)nsplit, (unsigned)nq};
-	emu_launch(attn_decode_tc, grid, TC_WARPS * 32, po.data(), pml.data(),
+	emu_launch(attn_decode_tc, {(unsigned)nsplit, (unsigned)nkv, (unsigned)nq}, TC_WARPS * 32, po.data(), pml.data(),
 		   (const bf16_t *)q.data(), (const bf16_t *)kc.data(), (const bf16_t *)vc.data(), (const int *)qrow.data(),
-		   (const int *)pos.data(), (const int *)ptoff.data(), (const int *)pages.data(), ps, nsplit, nh, nkv, 0, scale, hx);
+		   (const int *)pos.data(), (const int *)ptoff.data(), (const int *)pages.data(), ps, nsplit, nh, nkv, 0, scale);
 	wrv(po, np * HEAD_DIM);
 	wrv(pml, np * 2);
 	return 0;
