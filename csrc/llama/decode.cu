@@ -10,8 +10,9 @@
 // pages of a multiple of 16 keys. testdata/decode_emu.cpp runs it on the
 // host (TestAttnTCEmulated).
 //
-// Block: TC_WARPS warps; warp w takes the split's 16-key chunks w, w +
-// TC_WARPS, ... (a chunk lies in one page). Per chunk, with mma m16n8k16
+// Block: TC_WARPS warps (-DTC_WARPS, default 4, a divisor of ATT_SPLIT/16);
+// warp w takes the split's 16-key chunks w, w + TC_WARPS, ... (a chunk lies
+// in one page), prefetching its next chunk's rows to L2 while it computes. Per chunk, with mma m16n8k16
 // (bf16 operands, f32 accumulation), lane (r = lane/4, t = lane%4):
 //   S[16][16] = Q . K^T: M = the group's query heads (rows GQA_GROUP.. are
 //     zero), N = the chunk's keys (two tiles of 8), K = the head dim in an
@@ -61,29 +62,39 @@ __device__ __forceinline__ void tc_pdl_trigger() {
 #endif
 }
 
-#if USE_BF16 && HEAD_DIM == 128 && GQA_GROUP <= 8 && ATT_SPLIT % 16 == 0
-#define TC_WARPS (ATT_SPLIT / 16 < 8 ? ATT_SPLIT / 16 : 8)
+// tc_prefetch starts n bytes at p (16-byte aligned) towards L2 (sm_90).
+__device__ __forceinline__ void tc_prefetch(const void *p, int n) {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
+#endif
+}
+
+#ifndef TC_WARPS
+#define TC_WARPS 4
+#endif
+#if USE_BF16 && HEAD_DIM == 128 && GQA_GROUP <= 8 && ATT_SPLIT % (16 * TC_WARPS) == 0
 
 __device__ __forceinline__ u32 tc_word(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) attn_decode_tc(float *part_o, float *part_ml,
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_decode_tc(float *part_o, float *part_ml,
 	const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff,
 	const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
 	tc_pdl_trigger();
 	__shared__ __align__(16) float os[TC_WARPS][GQA_GROUP][HEAD_DIM];
 	__shared__ float ms[TC_WARPS][GQA_GROUP], ls[TC_WARPS][GQA_GROUP];
 	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
-	int npos = pos[qi] + 1;
+	// the query's metadata in one round trip, before the exit that needs pos
+	int npos = pos[qi] + 1, poff = ptoff[qi], qr = qrow[qi];
 	int k0 = split * ATT_SPLIT;
 	if (k0 >= npos) return;
 	int len = min(ATT_SPLIT, npos - k0);
 	int KVD = nkv * HEAD_DIM;
 	int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 	int r = lane >> 2, t = lane & 3;
-	const int *pt = pages + ptoff[qi];
+	const int *pt = pages + poff;
 	uint4 qa[4];
 	{
-		const bf16_t *qb = q + (long long)qrow[qi] * nheads * HEAD_DIM + (long long)(g * GQA_GROUP + r) * HEAD_DIM + 8 * t;
+		const bf16_t *qb = q + (long long)qr * nheads * HEAD_DIM + (long long)(g * GQA_GROUP + r) * HEAD_DIM + 8 * t;
 #pragma unroll
 		for (int p = 0; p < 4; p++) {
 			qa[p].x = qa[p].y = qa[p].z = qa[p].w = 0u;
@@ -112,6 +123,13 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 2) attn_decode_tc(fl
 			const bf16_t *vr = vb + (long long)min(2 * t + (i & 1) + 8 * (i >> 1), last) * KVD + 8 * r;
 			va[i][0] = *(const uint4 *)vr;
 			va[i][1] = *(const uint4 *)(vr + 64);
+		}
+		if (c0 + TC_WARPS * 16 < len) {
+			// the warp's next chunk towards L2 while this one computes: lane
+			// l < 16 key l's K row, lane 16 + l its V row
+			int n0 = c0 + TC_WARPS * 16, nk = k0 + n0;
+			long long nrow = (long long)pt[nk / page_size] * page_size + nk % page_size + min(lane & 15, len - 1 - n0);
+			tc_prefetch((lane < 16 ? kc : vc) + nrow * KVD + goff, HEAD_DIM * 2);
 		}
 		float s[2][4];
 #pragma unroll

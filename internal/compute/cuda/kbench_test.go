@@ -675,7 +675,11 @@ func (k *kbench) attention() {
 			ps32[i] = int32(cs.ctx) // the decode token's position: ctx+1 keys
 		}
 		k.put(pos, ps32)
-		k.put(dq.pos, append(ps32, ps32[:maxBS*(c.KVHeads-1)]...))
+		dpos := make([]int32, nq)
+		for i := range dpos {
+			dpos[i] = int32(cs.ctx)
+		}
+		k.put(dq.pos, dpos)
 		nsplit := ceilDiv(cs.ctx+1, b.fn.split)
 		partML := part + cu.DevicePtr(uint64(cs.bs)*uint64(c.Heads)*uint64(nsplit)*uint64(hd)*4)
 		kvBytes := float64(cs.bs) * float64(cs.ctx+1) * float64(2*kvd*2)

@@ -20,6 +20,7 @@ const (
 	defaultAttThreads = 128
 	defaultGemvMax    = 4 // decode GEMMs of at most this many tokens use gemv_*
 	defaultFlashWarps = 8 // attn_prefill2: 16 query rows per warp
+	defaultTCWarps    = 4 // attn_decode_tc: 2 chunks of 16 keys per warp at 128-key splits
 )
 
 // tuning holds kernel variants for tests and benchmarks; zero values are the
@@ -34,6 +35,10 @@ type tuning struct {
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
+	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
+	// noBulk: the GEMVs prefetch their next rows' first chunks to L2, not
+	// whole rows by bulk prefetch (-DNO_BULK=1)
+	noBulk bool
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -154,7 +159,12 @@ func (b *Backend) kernelOptions() ([]string, error) {
 	if b.bf16 {
 		bf = 1
 	}
+	nb := 0
+	if tu.noBulk {
+		nb = 1
+	}
 	return []string{
+		fmt.Sprintf("-DNO_BULK=%d", nb),
 		fmt.Sprintf("-DHEAD_DIM=%d", hd),
 		fmt.Sprintf("-DUSE_BF16=%d", bf),
 		fmt.Sprintf("-DGQA_GROUP=%d", group),
@@ -317,9 +327,13 @@ func (b *Backend) loadKernels() error {
 // loadDecodeTC compiles decode.cu (attn_decode_tc) with the llama set's
 // macros; a build NVRTC rejects leaves attn_decode2 in use.
 func (b *Backend) loadDecodeTC(k *cu.Kernels, opts []string) {
+	warps := min(cmp.Or(b.opts.tune.tcWarps, defaultTCWarps), b.fn.split/16)
+	for b.fn.split%(16*warps) != 0 {
+		warps--
+	}
 	src, err := csrc.LlamaKernel("decode")
 	if err == nil {
-		b.fn.tcMod, err = k.LoadSource(b.cx, "decode", src, opts...)
+		b.fn.tcMod, err = k.LoadSource(b.cx, "decode", src, append(opts[:len(opts):len(opts)], fmt.Sprintf("-DTC_WARPS=%d", warps))...)
 	}
 	if err == nil {
 		b.fn.attnTC, err = b.fn.tcMod.Function("attn_decode_tc")
@@ -329,7 +343,7 @@ func (b *Backend) loadDecodeTC(k *cu.Kernels, opts []string) {
 		b.fn.attnTC = nil
 		return
 	}
-	b.fn.tcThreads = 32 * min(b.fn.split/16, 8) // TC_WARPS
+	b.fn.tcThreads = 32 * warps
 }
 
 // Fused decode layer launch shape: gemv2_* blocks of g2Threads threads, one
