@@ -424,14 +424,6 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 	const int nrow = SILU ? 2 : 1;
 	const T *w0 = W + ((long long)e * nrow * units + o) * in;
 	const T *w1 = w0 + (long long)units * in;
-#if __CUDA_ARCH__ >= 900 && !NO_BULK
-	// The warp's whole rows towards L2 at once (its loads below then find
-	// them in flight): one bulk prefetch a row.
-	if (lane == 0) {
-		asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w0), "r"(in * (int)sizeof(T)) : "memory");
-		if (SILU) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w1), "r"(in * (int)sizeof(T)) : "memory");
-	}
-#endif
 	for (int t0 = 0; t0 < rows; t0 += GEMV_T) {
 		int nt = min(GEMV_T, rows - t0);
 		const T *xr[GEMV_T];

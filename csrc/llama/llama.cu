@@ -982,34 +982,6 @@ __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c
 	}
 }
 
-// g2_prefetch starts unit u's two weight rows towards L2: whole rows by
-// one bulk prefetch each (sm_90; lane 0), so a warp's next rows are in
-// flight while it reads the current ones (with -DNO_BULK=1, the first 4
-// chunks of each row by every lane, as before).
-template <int MODE>
-__device__ __forceinline__ void g2_prefetch(const g2_args &a, int u, int units, int lane) {
-	if (u >= units) return;
-	int r0, r1;
-	g2_rows<MODE>(a, u, r0, r1);
-	const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
-#if __CUDA_ARCH__ >= 900 && !NO_BULK
-	if (lane == 0) {
-		asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w0), "r"(a.in * 2) : "memory");
-		if (r1 >= 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(w1), "r"(a.in * 2) : "memory");
-	}
-#else
-	int nc = a.in >> 3;
-#pragma unroll
-	for (int u4 = 0; u4 < 4; u4++) {
-		int c = lane + 32 * u4;
-		if (c < nc) {
-			asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
-			asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
-		}
-	}
-#endif
-}
-
 template <int MODE, bool NORM>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	extern __shared__ __align__(16) unsigned char g2_smem[];
@@ -1020,15 +992,25 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	int nc = a.in >> 3;
 	pdl_trigger();
 	// Start the first unit's weights towards L2 while the kernel ahead
-	// finishes (launched programmatically) and the block normalises x; each
-	// unit then starts the next one's (g2_prefetch).
-	g2_prefetch<MODE>(a, gw, units, lane);
+	// finishes (launched programmatically) and the block normalises x.
+	if (gw < units) {
+		int r0, r1;
+		g2_rows<MODE>(a, gw, r0, r1);
+		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+#pragma unroll
+		for (int u4 = 0; u4 < 4; u4++) {
+			int c = lane + 32 * u4;
+			if (c < nc) {
+				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
+				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
+			}
+		}
+	}
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
 	for (int u = gw; u < units; u += nw) {
 		int r0, r1;
 		g2_rows<MODE>(a, u, r0, r1);
-		g2_prefetch<MODE>(a, u + nw, units, lane);
 		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
 		float acc0[GEMV_MAXN], acc1[GEMV_MAXN];
 #pragma unroll

@@ -36,9 +36,6 @@ type tuning struct {
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
-	// noBulk: the GEMVs prefetch their next rows' first chunks to L2, not
-	// whole rows by bulk prefetch (-DNO_BULK=1)
-	noBulk bool
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -159,12 +156,7 @@ func (b *Backend) kernelOptions() ([]string, error) {
 	if b.bf16 {
 		bf = 1
 	}
-	nb := 0
-	if tu.noBulk {
-		nb = 1
-	}
 	return []string{
-		fmt.Sprintf("-DNO_BULK=%d", nb),
 		fmt.Sprintf("-DHEAD_DIM=%d", hd),
 		fmt.Sprintf("-DUSE_BF16=%d", bf),
 		fmt.Sprintf("-DGQA_GROUP=%d", group),
