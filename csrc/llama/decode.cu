@@ -12,8 +12,10 @@
 //
 // Block: TC_WARPS warps (-DTC_WARPS, default 4, a divisor of ATT_SPLIT/16);
 // warp w takes the split's 16-key chunks w, w + TC_WARPS, ... (a chunk lies
-// in one page), prefetching its next chunk's rows to L2 while it computes. Per chunk, with mma m16n8k16
-// (bf16 operands, f32 accumulation), lane (r = lane/4, t = lane%4):
+// in one page), prefetching its next chunk's rows to L2 while it computes.
+// attn_decode_tc_wide: the same with 2*TC_WARPS warps, for small grids.
+// Per chunk, with mma m16n8k16 (bf16 operands, f32 accumulation), lane
+// (r = lane/4, t = lane%4):
 //   S[16][16] = Q . K^T: M = the group's query heads (rows GQA_GROUP.. are
 //     zero), N = the chunk's keys (two tiles of 8), K = the head dim in an
 //     order permuted inside each 32 elements, so that every operand is one
@@ -76,12 +78,13 @@ __device__ __forceinline__ void tc_prefetch(const void *p, int n) {
 
 __device__ __forceinline__ u32 tc_word(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
-extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_decode_tc(float *part_o, float *part_ml,
-	const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff,
-	const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
+template <int W>
+__device__ __forceinline__ void attn_tc(float *part_o, float *part_ml, const bf16_t *q, const bf16_t *kc,
+	const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size, int nsplit,
+	int nheads, int nkv, int qi0, float scale_log2) {
 	tc_pdl_trigger();
-	__shared__ __align__(16) float os[TC_WARPS][GQA_GROUP][HEAD_DIM];
-	__shared__ float ms[TC_WARPS][GQA_GROUP], ls[TC_WARPS][GQA_GROUP];
+	__shared__ __align__(16) float os[W][GQA_GROUP][HEAD_DIM];
+	__shared__ float ms[W][GQA_GROUP], ls[W][GQA_GROUP];
 	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
 	// the query's metadata in one round trip, before the exit that needs pos
 	int npos = pos[qi] + 1, poff = ptoff[qi], qr = qrow[qi];
@@ -106,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_
 	float o[8][4];
 #pragma unroll
 	for (int j = 0; j < 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-	for (int c0 = warp * 16; c0 < len; c0 += TC_WARPS * 16) {
+	for (int c0 = warp * 16; c0 < len; c0 += W * 16) {
 		int key0 = k0 + c0;
 		int last = len - 1 - c0; // the chunk's last key; later ones load it again and are masked
 		long long row0 = (long long)pt[key0 / page_size] * page_size + key0 % page_size;
@@ -124,10 +127,10 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_
 			va[i][0] = *(const uint4 *)vr;
 			va[i][1] = *(const uint4 *)(vr + 64);
 		}
-		if (c0 + TC_WARPS * 16 < len) {
+		if (c0 + W * 16 < len) {
 			// the warp's next chunk towards L2 while this one computes: lane
 			// l < 16 key l's K row, lane 16 + l its V row
-			int n0 = c0 + TC_WARPS * 16, nk = k0 + n0;
+			int n0 = c0 + W * 16, nk = k0 + n0;
 			long long nrow = (long long)pt[nk / page_size] * page_size + nk % page_size + min(lane & 15, len - 1 - n0);
 			tc_prefetch((lane < 16 ? kc : vc) + nrow * KVD + goff, HEAD_DIM * 2);
 		}
@@ -198,10 +201,10 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_
 		int h = i / HEAD_DIM, d = i % HEAD_DIM;
 		float M = NEG_INF;
 #pragma unroll
-		for (int w = 0; w < TC_WARPS; w++) M = fmaxf(M, ms[w][h]);
+		for (int w = 0; w < W; w++) M = fmaxf(M, ms[w][h]);
 		float a = 0.f, L = 0.f;
 #pragma unroll
-		for (int w = 0; w < TC_WARPS; w++) {
+		for (int w = 0; w < W; w++) {
 			float f = exp2f(ms[w][h] - M); // 0 for a warp that saw no key
 			a = fmaf(os[w][h][d], f, a);
 			L = fmaf(ls[w][h], f, L);
@@ -214,4 +217,19 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_
 		}
 	}
 }
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_decode_tc(float *part_o, float *part_ml,
+	const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff,
+	const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
+	attn_tc<TC_WARPS>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0, scale_log2);
+}
+#if ATT_SPLIT % (32 * TC_WARPS) == 0
+// attn_decode_tc_wide: twice the warps, for grids smaller than the GPU (its
+// results differ from attn_decode_tc's in the last bits: another merge).
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 64, 8 / TC_WARPS) attn_decode_tc_wide(float *part_o,
+	float *part_ml, const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos,
+	const int *ptoff, const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
+	attn_tc<2 * TC_WARPS>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0,
+		scale_log2);
+}
+#endif
 #endif

@@ -286,7 +286,11 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, lp.scaleLog2, d.att, f.attnCnt)...)
 			continue
 		case f.attnTC != nil && b.layout.PageSize%16 == 0:
-			r.launch(f.attnTC, grid, cu.D1(uint32(f.tcThreads)), 0, append(args, lp.scaleLog2)...)
+			fn, th := f.attnTC, f.tcThreads
+			if f.attnTCWide != nil && int(grid.X*grid.Y*grid.Z) < f.tcWideBelow {
+				fn, th = f.attnTCWide, 2*th // more warps for a grid smaller than the GPU
+			}
+			r.launch(fn, grid, cu.D1(uint32(th)), 0, append(args, lp.scaleLog2)...)
 		case f.attnDecode2 != nil:
 			r.launch(f.attnDecode2, grid, cu.D1(uint32(f.d2Threads)), 0, append(args, lp.scaleLog2, null, null)...)
 		case f.attnDecode != nil:

@@ -17,30 +17,32 @@ import (
 // max (natural-log units) within 1e-4, the merged output within 4e-3
 // relative (P is rounded to bf16), splits past a query's last key left
 // alone. Shapes: 1, 4 and 8 query heads per KV head; splits of 16, 32, 128
-// and 256 keys over 1, 2, 4 and 8 warps (1 to 8 chunks a warp); pages of 16,
+// and 256 keys over 1, 2, 4 and 8 warps (1 to 8 chunks a warp; the wide
+// kernel's twice the warps among them); pages of 16,
 // 32 and 64 in a random order; queries of 1 key to several splits, partial
 // chunks among them.
 func TestAttnTCEmulated(t *testing.T) {
 	src, _ := filepath.Abs("../../../csrc/llama/decode.cu")
 	for _, tc := range []struct {
 		group, split, warps, nkv, ps int
+		wide                         bool
 		pos                          []int
 	}{
-		{4, 128, 8, 2, 16, []int{0, 15, 16, 130, 300}},
-		{4, 128, 4, 2, 16, []int{0, 15, 16, 47, 130, 300}},
-		{8, 256, 2, 1, 64, []int{5, 255, 400}},
-		{1, 32, 2, 3, 32, []int{0, 31, 70}},
-		{4, 16, 1, 2, 16, []int{0, 17, 40}},
+		{4, 128, 4, 2, 16, true, []int{0, 15, 16, 130, 300}},
+		{4, 128, 4, 2, 16, false, []int{0, 15, 16, 47, 130, 300}},
+		{8, 256, 2, 1, 64, false, []int{5, 255, 400}},
+		{1, 32, 1, 3, 32, true, []int{0, 31, 70}},
+		{4, 16, 1, 2, 16, false, []int{0, 17, 40}},
 	} {
-		t.Run(fmt.Sprintf("group%d-split%d-warps%d", tc.group, tc.split, tc.warps), func(t *testing.T) {
+		t.Run(fmt.Sprintf("group%d-split%d-warps%d-wide%v", tc.group, tc.split, tc.warps, tc.wide), func(t *testing.T) {
 			bin := emuCompile(t, "decode_emu", "-DHEAD_DIM=128", "-DUSE_BF16=1", fmt.Sprintf("-DGQA_GROUP=%d", tc.group),
 				fmt.Sprintf("-DATT_SPLIT=%d", tc.split), fmt.Sprintf("-DTC_WARPS=%d", tc.warps), `-DDECODE_CU="`+src+`"`)
-			checkAttnTC(t, bin, tc.group, tc.split, tc.nkv, tc.ps, tc.pos)
+			checkAttnTC(t, bin, tc.group, tc.split, tc.nkv, tc.ps, tc.wide, tc.pos)
 		})
 	}
 }
 
-func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, pos []int) {
+func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, wide bool, pos []int) {
 	const hd = 128
 	r := rand.New(rand.NewPCG(uint64(group), uint64(split)))
 	nq, nh := len(pos), group*nkv
@@ -84,7 +86,11 @@ func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, pos []int)
 	for i, p := range pos {
 		p32[i] = int32(p)
 	}
-	put(t, &in, p32, qrow, ptoff, pages, q, kc, vc, po, pml)
+	w := int32(0)
+	if wide {
+		w = 1
+	}
+	put(t, &in, p32, qrow, ptoff, pages, q, kc, vc, po, pml, w)
 	got := emuCall[float32](t, bin, &in, np*hd+np*2)
 	gpo, gml := got[:np*hd], got[np*hd:]
 	f := func(h uint16) float64 { return float64(model.BF16ToF32(h)) }

@@ -36,6 +36,7 @@ type tuning struct {
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
+	tcNarrow   bool // no attn_decode_tc_wide for small grids
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -94,9 +95,11 @@ type kernels struct {
 	attnCntQ  int
 	// attnTC (decode.cu) replaces attnDecode2 over pages of a multiple of
 	// 16 keys, tcThreads a block; nil where the model does not suit it.
-	attnTC    *cu.Function
-	tcMod     *cu.Module
-	tcThreads int
+	// attnTCWide (twice the threads, or nil) runs grids of fewer than
+	// tcWideBelow blocks outside batch-invariant mode.
+	attnTC, attnTCWide     *cu.Function
+	tcMod                  *cu.Module
+	tcThreads, tcWideBelow int
 }
 
 // Launch shapes of the small kernels.
@@ -336,6 +339,11 @@ func (b *Backend) loadDecodeTC(k *cu.Kernels, opts []string) {
 		return
 	}
 	b.fn.tcThreads = 32 * warps
+	if sms, err := b.cx.MultiprocessorCount(); err == nil && !b.opts.tune.tcNarrow && !b.opts.BatchInvariant {
+		if f, err := b.fn.tcMod.Function("attn_decode_tc_wide"); err == nil {
+			b.fn.attnTCWide, b.fn.tcWideBelow = f, sms
+		}
+	}
 }
 
 // Fused decode layer launch shape: gemv2_* blocks of g2Threads threads, one

@@ -1,4 +1,4 @@
-// decode_emu.cpp: runs csrc/llama/decode.cu's attn_decode_tc on the host
+// decode_emu.cpp: runs csrc/llama/decode.cu's attn_decode_tc(_wide) on the host
 // through cudaemu.h, for TestAttnTCEmulated. Build:
 //   g++ -std=c++20 -O0 -ffp-contract=off -DHEAD_DIM=128 -DUSE_BF16=1 \
 //       -DGQA_GROUP=g -DATT_SPLIT=s -DDECODE_CU='"path/to/decode.cu"' decode_emu.cpp
@@ -7,7 +7,7 @@
 // ptoff [nq], pages [nq * pages per query], q bf16 [nq][nheads][HEAD_DIM],
 // kc, vc bf16 [npages][page_size][nkv][HEAD_DIM], part_o f32
 // [nq][nheads][nsplit][HEAD_DIM], part_ml f32 [nq][nheads][nsplit][2] (the
-// initial contents). Output: part_o, part_ml.
+// initial contents), wide (attn_decode_tc_wide). Output: part_o, part_ml.
 #include "cudaemu.h"
 #include DECODE_CU
 
@@ -48,7 +48,14 @@ int main(int argc, char **argv) {
 	size_t np = (size_t)nq * nh * nsplit;
 	rdv(po, np * HEAD_DIM);
 	rdv(pml, np * 2);
-	emu_launch(attn_decode_tc, {(unsigned)nsplit, (unsigned)nkv, (unsigned)nq}, TC_WARPS * 32, po.data(), pml.data(),
+	int wide = rd();
+	auto k = attn_decode_tc;
+#if ATT_SPLIT % (32 * TC_WARPS) == 0
+	if (wide) k = attn_decode_tc_wide;
+#else
+	if (wide) return 3;
+#endif
+	emu_launch(k, {(unsigned)nsplit, (unsigned)nkv, (unsigned)nq}, (wide ? 64 : 32) * TC_WARPS, po.data(), pml.data(),
 		   (const bf16_t *)q.data(), (const bf16_t *)kc.data(), (const bf16_t *)vc.data(), (const int *)qrow.data(),
 		   (const int *)pos.data(), (const int *)ptoff.data(), (const int *)pages.data(), ps, nsplit, nh, nkv, 0, scale);
 	wrv(po, np * HEAD_DIM);
