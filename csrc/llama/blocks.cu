@@ -405,18 +405,14 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 // moe_gemv: the grouped GEMVs of experts with few rows each (decode), for
 // any T: block (x, s) takes the s-th expert with rows (e = act[s], s <
 // *nact, as moe_sk), each of its 8 warps one unit of outputs, the weight
-// rows read once per GEMV_T of the expert's rows (16-byte loads, GEMV_DEPTH
-// chunks in flight per row and lane; the sums' order is the same at any
-// depth). Each lane sums its chunks in order, then the
+// rows read once per GEMV_T of the expert's rows (16-byte loads, 4 chunks
+// in flight per row and lane). Each lane sums its chunks in order, then the
 // warp's lanes by a fixed tree: a row's result depends on nothing else in
 // the pass. in % 8 == 0.
 //   SILU  unit o < hidden: rows o and hidden+o of W ([E][2*hidden][in]);
 //         h[r][o] = silu(g) * u (g, u rounded to T first), x = X[src[r]]
 //   DOWN  unit o < out: row o of W ([E][out][in]); Y[r][o] (f32) = X[r] . W[o]
 #define GEMV_T 4
-#ifndef GEMV_DEPTH
-#define GEMV_DEPTH 8
-#endif
 template <bool SILU>
 __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
 	const int *nact, const int *offs, int units, int in) {
@@ -439,16 +435,16 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 		float acc[2][GEMV_T];
 #pragma unroll
 		for (int j = 0; j < GEMV_T; j++) acc[0][j] = acc[1][j] = 0.f;
-		for (int base = 0; base < in; base += GEMV_DEPTH * 256) {
-			w8_t wv[2][GEMV_DEPTH];
+		for (int base = 0; base < in; base += 4 * 256) {
+			w8_t wv[2][4];
 #pragma unroll
-			for (int u = 0; u < GEMV_DEPTH; u++) {
+			for (int u = 0; u < 4; u++) {
 				int c = base + u * 256 + lane * 8;
 #pragma unroll
 				for (int q = 0; q < nrow; q++) wv[q][u] = c < in ? ldw8((q ? w1 : w0) + c) : zw8();
 			}
 #pragma unroll
-			for (int u = 0; u < GEMV_DEPTH; u++) {
+			for (int u = 0; u < 4; u++) {
 				int c = base + u * 256 + lane * 8;
 				if (c >= in) break;
 				float wf[2][8];

@@ -809,9 +809,8 @@ extern "C" __global__ void __launch_bounds__(256) gemv_tout(bf16_t *Y, const bf1
 }
 
 // gemv2_*: the decode GEMVs of the fused layer (n <= GEMV_MAXN tokens). Each
-// warp computes a unit of two weight rows (16-byte streaming loads,
-// 2*GEMV_DEPTH in flight per lane; -DGEMV_DEPTH, default 8: the order of
-// every sum is the same at any depth), units spread over a grid of any size (grid-stride), and
+// warp computes a unit of two weight rows (16-byte streaming loads, 8 in
+// flight per lane), units spread over a grid of any size (grid-stride), and
 // finishes the unit in its epilogue:
 //   G2_PLAIN  Y[t][r] = dot (+ beta*Y), rows (2u, 2u+1), f32 out
 //   G2_ROPE   rows (ia, ib) of one rotated pair of a q or k head, or two
@@ -827,9 +826,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_tout(bf16_t *Y, const bf1
 // lane sums its chunks lane, lane+32, ... in order, as gemv_rows does.
 // Block G2_THREADS threads; in % 8 == 0.
 #define G2_THREADS 256
-#ifndef GEMV_DEPTH
-#define GEMV_DEPTH 8
-#endif
 #define G2_PLAIN 0
 #define G2_ROPE 1
 #define G2_SILU 2
@@ -1020,15 +1016,15 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 #pragma unroll
 		for (int t = 0; t < GEMV_MAXN; t++) acc0[t] = acc1[t] = 0.f;
 		int c = lane;
-		for (; c + 32 * (GEMV_DEPTH - 1) < nc; c += 32 * GEMV_DEPTH) {
-			uint4 wa[GEMV_DEPTH], wb[GEMV_DEPTH];
+		for (; c + 96 < nc; c += 128) {
+			uint4 wa[4], wb[4];
 #pragma unroll
-			for (int u4 = 0; u4 < GEMV_DEPTH; u4++) {
+			for (int u4 = 0; u4 < 4; u4++) {
 				wa[u4] = ldg_stream(w0 + (c + 32 * u4) * 8);
 				wb[u4] = ldg_stream(w1 + (c + 32 * u4) * 8);
 			}
 #pragma unroll
-			for (int u4 = 0; u4 < GEMV_DEPTH; u4++) g2_fma<NORM>(a, xs, c + 32 * u4, wa[u4], wb[u4], acc0, acc1);
+			for (int u4 = 0; u4 < 4; u4++) g2_fma<NORM>(a, xs, c + 32 * u4, wa[u4], wb[u4], acc0, acc1);
 		}
 		for (; c < nc; c += 32) g2_fma<NORM>(a, xs, c, ldg_stream(w0 + c * 8), ldg_stream(w1 + c * 8), acc0, acc1);
 #pragma unroll

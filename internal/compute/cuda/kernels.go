@@ -37,7 +37,6 @@ type tuning struct {
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
-	gemvDepth  int  // chunks of a row in flight per lane in gemv2_* and moe_gemv_* (GEMV_DEPTH; 0: 8)
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -161,7 +160,6 @@ func (b *Backend) kernelOptions() ([]string, error) {
 		bf = 1
 	}
 	return []string{
-		fmt.Sprintf("-DGEMV_DEPTH=%d", cmp.Or(tu.gemvDepth, 8)),
 		fmt.Sprintf("-DHEAD_DIM=%d", hd),
 		fmt.Sprintf("-DUSE_BF16=%d", bf),
 		fmt.Sprintf("-DGQA_GROUP=%d", group),
