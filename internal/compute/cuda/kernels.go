@@ -37,6 +37,10 @@ type tuning struct {
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
+	// g2Single: G2_PLAIN GEMVs with fewer row pairs than resident warps run
+	// one row a warp (gemv2_plain1, gemv2_norm1: the same results); staged,
+	// not yet measured
+	g2Single bool
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -80,6 +84,7 @@ type kernels struct {
 	// layer of at most gemvMax tokens (nil: separate kernels).
 	attnDecode2                    *cu.Function
 	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
+	g2Plain1, g2Norm1              *cu.Function         // single-row forms (tuning g2Single), or nil
 	g2Blocks                       map[*cu.Function]int // most blocks resident at once (the grid cap)
 	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
 	// blocks resident at once; skPart and skCnt: their split-K partial
@@ -365,15 +370,18 @@ func (b *Backend) loadFused() {
 	optin, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerBlockOptin)
 	smem := b.fusedSmem()
 	blocks := map[*cu.Function]int{}
-	var fns [4]*cu.Function
-	for i, name := range []string{"gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu"} {
+	var fns [6]*cu.Function
+	for i, name := range []string{"gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu", "gemv2_plain1", "gemv2_norm1"} {
+		if i >= 4 && !b.opts.tune.g2Single {
+			break
+		}
 		fn, err := b.mod.Function(name)
 		if err != nil {
 			b.lg.Warn("fused decode kernels off", zap.Error(err))
 			return
 		}
 		dyn := 0
-		if i > 0 {
+		if i > 0 && i != 4 {
 			dyn = smem
 			if dyn > 48<<10 {
 				if dyn > optin {
@@ -391,8 +399,18 @@ func (b *Backend) loadFused() {
 		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+dyn, smemPerSM)
 		fns[i] = fn
 	}
-	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
+	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU, f.g2Plain1, f.g2Norm1 = fns[0], fns[1], fns[2], fns[3], fns[4], fns[5]
 	f.g2Blocks = blocks
+}
+
+// g2For picks the pair form of a G2_PLAIN GEMV of out rows or, when there is
+// one, its single-row form where the pairs are fewer than the warps resident
+// at once; it returns the kernel and its units.
+func (b *Backend) g2For(pair, single *cu.Function, out int) (*cu.Function, int) {
+	if single != nil && (out+1)/2 < b.fn.g2Blocks[pair]*(g2Threads/32) {
+		return single, out
+	}
+	return pair, (out + 1) / 2
 }
 
 // fusedSmem is the dynamic shared memory of the normalising gemv2 kernels.
