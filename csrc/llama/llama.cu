@@ -982,6 +982,7 @@ __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c
 	}
 }
 
+#if G2_SINGLE
 // g2_fma1 is g2_fma for one row (the same operations on acc as g2_fma's
 // on acc0).
 template <bool NORM>
@@ -1001,10 +1002,12 @@ __device__ __forceinline__ void g2_fma1(const g2_args &a, const bf16_t *xs, int 
 		}
 	}
 }
+#endif
 
-// gemv2 over units of work. SINGLE (G2_PLAIN only): a unit is one row, with
-// 8 of its chunks in flight per lane, for GEMVs with fewer row pairs than
-// the GPU has resident warps; every row's sum is computed as in a pair.
+// gemv2 over units of work. SINGLE (G2_PLAIN only, built with
+// -DG2_SINGLE=1: staged until measured on a GPU): a unit is one row, with 8
+// of its chunks in flight per lane, for GEMVs with fewer row pairs than the
+// GPU has resident warps; every row's sum is computed as in a pair.
 template <int MODE, bool NORM, bool SINGLE = false>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	extern __shared__ __align__(16) unsigned char g2_smem[];
@@ -1033,6 +1036,7 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
 	for (int u = gw; u < units; u += nw) {
+#if G2_SINGLE
 		if (SINGLE) {
 			const bf16_t *w = a.W + (long long)u * a.in;
 			float acc[GEMV_MAXN];
@@ -1055,6 +1059,7 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 				if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, u, -1, t, acc[t], 0.f);
 			continue;
 		}
+#endif
 		int r0, r1;
 		g2_rows<MODE>(a, u, r0, r1);
 		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
@@ -1095,6 +1100,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, c
 	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
+#if G2_SINGLE
 // gemv2_plain1: gemv2_plain over single rows (the same results).
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain1(float *Y, const bf16_t *X, const bf16_t *W,
 	int n, int out, int in, float beta) {
@@ -1102,6 +1108,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain1(float *Y, 
 	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
 	gemv2<G2_PLAIN, false, true>(a, out);
 }
+#endif
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a
 // q/k-norm model's QKV, the MoE router); xo (or 0) gets the normalised rows.
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
@@ -1111,6 +1118,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, co
 	a.xo = xo;
 	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
 }
+#if G2_SINGLE
 // gemv2_norm1: gemv2_norm over single rows (the same results).
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm1(float *Y, const float *x, const float *normw,
 	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo) {
@@ -1119,6 +1127,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm1(float *Y, c
 	a.xo = xo;
 	gemv2<G2_PLAIN, true, true>(a, out);
 }
+#endif
 // gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
 // write (rope_kv's arguments, in = dim).
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkv(bf16_t *q, bf16_t *kc, bf16_t *vc, const float *x,

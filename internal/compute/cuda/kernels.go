@@ -38,8 +38,8 @@ type tuning struct {
 	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
 	// g2Single: G2_PLAIN GEMVs with fewer row pairs than resident warps run
-	// one row a warp (gemv2_plain1, gemv2_norm1: the same results); staged,
-	// not yet measured
+	// one row a warp (gemv2_plain1, gemv2_norm1, built with -DG2_SINGLE=1:
+	// the same results); staged, not yet run on a GPU
 	g2Single bool
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
@@ -199,6 +199,9 @@ func (b *Backend) loadKernels() error {
 	tu := b.opts.tune
 	fw := cmp.Or(tu.flashWarps, defaultFlashWarps)
 	v2 := append(append([]string{}, opts...), "-DMC_V2=1", fmt.Sprintf("-DFA2_WARPS=%d", max(fw, 4)))
+	if tu.g2Single {
+		v2 = append(v2, "-DG2_SINGLE=1")
+	}
 	key := strings.Join(v2, " ")
 	useV2 := !tu.noV2
 	if e, failed := v2Failed.Load(key); failed && useV2 {
