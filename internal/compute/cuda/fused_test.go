@@ -51,16 +51,7 @@ func TestFusedDecode(t *testing.T) {
 			V := m.Config.Vocab
 			groups := []int{1, 2, 3, 4, 6, 13}
 			const per, steps = 12, 9 // pages of 16: 192 positions per seq
-			total := 0
-			for _, g := range groups {
-				total += g
-			}
-			o := Options{DType: "bfloat16", PageSize: 16, Pages: total * per}
-			mk := func(tu tuning) *Backend {
-				o := o
-				o.tune = tu
-				return newOrSkip(t, m, o)
-			}
+			mk := bf16Maker(t, m, groups, per)
 			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true})
 			fusedOld := mk(tuning{decodeV1: true})
 			nw := mk(tuning{skinnyMax: skMaxN, fuseCombine: true}) // every new kernel
@@ -177,16 +168,7 @@ func TestFusedMoE(t *testing.T) {
 	V := m.Config.Vocab
 	groups := []int{1, 2, 3, 4, 6}
 	const per, steps = 12, 6
-	total := 0
-	for _, g := range groups {
-		total += g
-	}
-	o := Options{DType: "bfloat16", PageSize: 16, Pages: total * per}
-	mk := func(tu tuning) *Backend {
-		o := o
-		o.tune = tu
-		return newOrSkip(t, m, o)
-	}
+	mk := bf16Maker(t, m, groups, per)
 	old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true})
 	fused := mk(tuning{decodeV1: true})
 	if fused.fn.g2Norm == nil || fused.bk.qkNormRope == nil || !fused.moeCapturable() {
@@ -208,5 +190,17 @@ func TestFusedMoE(t *testing.T) {
 		if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
 			t.Errorf("batch %d: fused vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
 		}
+	}
+}
+
+// bf16Maker makes bf16 backends of m with a tuning, each with per pages of
+// 16 positions for every sequence of the batch groups.
+func bf16Maker(t *testing.T, m *model.Model, groups []int, per int) func(tuning) *Backend {
+	total := 0
+	for _, g := range groups {
+		total += g
+	}
+	return func(tu tuning) *Backend {
+		return newOrSkip(t, m, Options{DType: "bfloat16", PageSize: 16, Pages: total * per, tune: tu})
 	}
 }

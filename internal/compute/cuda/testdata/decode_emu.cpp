@@ -11,26 +11,10 @@
 #include "cudaemu.h"
 #include DECODE_CU
 
-#include <cstdio>
-#include <vector>
-
-static FILE *in, *out;
-static int rd() {
-	int v;
-	if (fread(&v, 4, 1, in) != 1) exit(2);
-	return v;
-}
-template <class V> static void rdv(std::vector<V> &v, size_t n) {
-	v.resize(n + 1);
-	if (n && fread(v.data(), sizeof(V), n, in) != n) exit(2);
-}
-template <class V> static void wrv(const std::vector<V> &v, size_t n) { fwrite(v.data(), sizeof(V), n, out); }
+#include "emuio.h"
 
 int main(int argc, char **argv) {
-	if (argc != 3) return 2;
-	in = fopen(argv[1], "rb");
-	out = fopen(argv[2], "wb");
-	if (!in || !out) return 2;
+	if (!emu_open(argc, argv)) return 2;
 	int nq = rd(), nh = rd(), nkv = rd(), ps = rd(), nsplit = rd(), npages = rd(), per = rd();
 	float scale;
 	if (fread(&scale, 4, 1, in) != 1) return 2;
