@@ -156,10 +156,15 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 		shared, _ := f.Attribute(cu.FuncAttrSharedSizeBytes)
 		t.Logf("kernel %s: %d registers, %d bytes local (spills), %d bytes shared", f.Name, regs, local, shared)
 	}
-	bw, err := b.readBandwidth(4<<30, 10)
+	own, err := b.readBandwidth(4<<30, 10)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The floor is the machine's: the best read bandwidth any backend of
+	// this process measured (a later backend measured 12% less in some
+	// calls, 2026-12-02, with its steps as fast).
+	bestBW = max(bestBW, own)
+	bw := bestBW
 	ctx := context.Background()
 	V := cfg.Vocab
 	r := rand.New(rand.NewPCG(1, 1))
@@ -282,6 +287,9 @@ func TestBenchGraph8B(t *testing.T) {
 	}
 }
 
+// bestBW is the best HBM read bandwidth a benchGraph backend measured.
+var bestBW float64
+
 func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSampling bool) []string {
 	const ps = 64
 	runs := []struct{ bs, ctx int }{{1, 1024}, {32, 1024}, {128, 1024}, {8, 8192}}
@@ -300,10 +308,15 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSamp
 	if tu.pdl && !b.fn.pdl {
 		t.Errorf("%s: programmatic dependent launch not available", name)
 	}
-	bw, err := b.readBandwidth(4<<30, 10)
+	own, err := b.readBandwidth(4<<30, 10)
 	if err != nil {
 		t.Fatal(err)
 	}
+	// The floor is the machine's: the best read bandwidth any backend of
+	// this process measured (a later backend measured 12% less in some
+	// calls, 2026-12-02, with its steps as fast).
+	bestBW = max(bestBW, own)
+	bw := bestBW
 	ctx := context.Background()
 	V := cfg.Vocab
 	r := rand.New(rand.NewPCG(2, 2))
@@ -312,7 +325,8 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSamp
 		out[i] = make([]float32, V)
 	}
 	kvTok := float64(cfg.Layers * 2 * cfg.KVHeads * cfg.HeadDim * 2)
-	lines := []string{fmt.Sprintf("%s: HBM read bandwidth %.0f GB/s (4 GiB, median of 10)", name, bw/1e9)}
+	lines := []string{fmt.Sprintf("%s: HBM read bandwidth %.0f GB/s (4 GiB, median of 10; floors at the best of the run, %.0f GB/s)",
+		name, own/1e9, bw/1e9)}
 	for _, c := range runs {
 		seqs := make([]compute.Seq, c.bs)
 		for i := range seqs {
