@@ -1,6 +1,7 @@
 package cuda
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -280,5 +281,34 @@ func TestArena8B(t *testing.T) {
 		if a.logits != uint64(bs)*uint64(c.Vocab)*4 || a.part > graphPartBudget || a.total() > 320<<20 {
 			t.Errorf("max batch %d: %+v", bs, a)
 		}
+	}
+}
+
+// BenchmarkBuildPlanDecode times the host's plan of a decode step of the 8B
+// shape at ctx 1K (page tables, positions, lengths, splits) and its bytes:
+// part of the gap between two decode steps.
+func BenchmarkBuildPlanDecode(b *testing.B) {
+	cfg, err := model.RandomConfig("llama3-8b")
+	if err != nil {
+		b.Fatal(err)
+	}
+	pc := planConfig{pageSize: 64, split: defaultAttSplit, heads: cfg.Heads, kvHeads: cfg.KVHeads, headDim: cfg.HeadDim,
+		dim: cfg.Dim, hidden: cfg.HiddenDim, vocab: cfg.Vocab, eb: 2, maxSeqLen: cfg.MaxSeqLen, partBudget: graphPartBudget}
+	for _, n := range []int{1, 32, 128} {
+		seqs := make([]compute.Seq, n)
+		for i := range seqs {
+			seqs[i] = seqAt(1, 1024, i*17, true)
+		}
+		bs, _ := bucketFor(decodeBuckets(256), n)
+		shape := &decodeShape{bs: bs, splits: splitBucket(pc.splitsFor(1024), pc.maxSplits())}
+		b.Run(fmt.Sprintf("batch%d", n), func(b *testing.B) {
+			for b.Loop() {
+				p, err := buildPlan(&pc, seqs, shape)
+				if err != nil {
+					b.Fatal(err)
+				}
+				_ = p.bytes()
+			}
+		})
 	}
 }
