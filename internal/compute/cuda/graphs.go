@@ -69,6 +69,7 @@ type graphSet struct {
 	sizes     scratchSizes
 	slots     map[int][]*graphSlot // by batch bucket
 	failed    map[graphKey]bool
+	planBuf   []int32 // the last decode plan's image, reused by the next
 	clock     uint64
 	// counters for logs and tests
 	captures, updates, replays, eager int
@@ -215,7 +216,10 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 			return true, err
 		}
 	}
-	p, err := buildPlan(&g.pc, seqs, &decodeShape{bs: k.bs, splits: k.splits})
+	p, err := buildPlanIn(&g.pc, seqs, &decodeShape{bs: k.bs, splits: k.splits}, g.planBuf)
+	if err == nil {
+		g.planBuf = p.img // reused by the next step's plan (this one is done with it by then)
+	}
 	if err != nil {
 		return true, err
 	}

@@ -103,6 +103,12 @@ func (pc *planConfig) qchunkFor(ng, nsplit int) int {
 // seq a one-token decode with logits, at most shape.bs seqs, none needing
 // more than shape.splits splits).
 func buildPlan(pc *planConfig, seqs []compute.Seq, shape *decodeShape) (*passPlan, error) {
+	return buildPlanIn(pc, seqs, shape, nil)
+}
+
+// buildPlanIn is buildPlan with the image in buf when it is large enough
+// (cleared first; the plan then shares it, so it lasts until buf's next use).
+func buildPlanIn(pc *planConfig, seqs []compute.Seq, shape *decodeShape, buf []int32) (*passPlan, error) {
 	ps := pc.pageSize
 	p := &passPlan{}
 	npages := 0
@@ -137,7 +143,12 @@ func buildPlan(pc *planConfig, seqs []compute.Seq, shape *decodeShape) (*passPla
 		npages = shape.bs * p.pageStride
 	}
 	p.layout(npages)
-	p.img = make([]int32, p.size/4)
+	if cap(buf) >= p.size/4 {
+		p.img = buf[:p.size/4]
+		clear(p.img)
+	} else {
+		p.img = make([]int32, p.size/4)
+	}
 	p.qchunk = pc.qchunkFor(p.ng, p.nsplit)
 	i32 := p.img
 	kvd := int64(pc.kvHeads * pc.headDim)
@@ -151,10 +162,7 @@ func buildPlan(pc *planConfig, seqs []compute.Seq, shape *decodeShape) (*passPla
 			pg = t * p.pageStride
 		}
 		ptoff := pg
-		for _, x := range s.Pages[:ceilDiv(end, ps)] {
-			i32[p.pages+pg] = x
-			pg++
-		}
+		pg += copy(i32[p.pages+pg:], s.Pages[:ceilDiv(end, ps)])
 		flash := shape == nil && pc.flash && len(s.Tokens) > 1
 		if flash {
 			i32[p.pStart+q], i32[p.pLen+q], i32[p.pPos0+q], i32[p.pPtoff+q] = int32(t), int32(len(s.Tokens)), int32(s.Pos), int32(ptoff)

@@ -285,8 +285,8 @@ func TestArena8B(t *testing.T) {
 }
 
 // BenchmarkBuildPlanDecode times the host's plan of a decode step of the 8B
-// shape at ctx 1K (page tables, positions, lengths, splits) and its bytes:
-// part of the gap between two decode steps.
+// shape at ctx 1K (page tables, positions, lengths, splits) in a reused
+// image, as forwardDecode builds it: part of the gap between two steps.
 func BenchmarkBuildPlanDecode(b *testing.B) {
 	cfg, err := model.RandomConfig("llama3-8b")
 	if err != nil {
@@ -302,13 +302,43 @@ func BenchmarkBuildPlanDecode(b *testing.B) {
 		bs, _ := bucketFor(decodeBuckets(256), n)
 		shape := &decodeShape{bs: bs, splits: splitBucket(pc.splitsFor(1024), pc.maxSplits())}
 		b.Run(fmt.Sprintf("batch%d", n), func(b *testing.B) {
+			var buf []int32 // reused as forwardDecode reuses it
 			for b.Loop() {
-				p, err := buildPlan(&pc, seqs, shape)
+				p, err := buildPlanIn(&pc, seqs, shape, buf)
 				if err != nil {
 					b.Fatal(err)
 				}
-				_ = p.bytes()
+				buf = p.img
 			}
 		})
+	}
+}
+
+// TestBuildPlanReuse checks that a plan built in a used buffer equals one
+// built afresh (stale entries cleared), and that a short buffer is not used.
+func TestBuildPlanReuse(t *testing.T) {
+	pc := testPC(false)
+	big := []compute.Seq{seqAt(1, 300, 0, true), seqAt(1, 200, 40, true), seqAt(1, 100, 80, true)}
+	small := []compute.Seq{seqAt(1, 5, 7, true)}
+	shape := &decodeShape{bs: 4, splits: pc.maxSplits()}
+	p0, err := buildPlanIn(&pc, big, shape, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	buf := p0.img
+	want, _ := buildPlan(&pc, small, shape)
+	got, err := buildPlanIn(&pc, small, shape, buf)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if &got.img[0] != &buf[0] {
+		t.Error("the plan did not use the buffer")
+	}
+	if !slices.Equal(got.img, want.img) {
+		t.Error("a plan built in a used buffer differs from a fresh one")
+	}
+	fresh, _ := buildPlan(&pc, big, shape) // p0's image is got's now
+	if p, _ := buildPlanIn(&pc, big, shape, make([]int32, 3)); !slices.Equal(p.img, fresh.img) {
+		t.Error("a short buffer changed the plan")
 	}
 }
