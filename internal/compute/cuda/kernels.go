@@ -35,7 +35,6 @@ type tuning struct {
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
-	tcWarps    int  // attn_decode_tc's warps a block (TC_WARPS; 0: defaultTCWarps)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
 	// g2Single: G2_PLAIN GEMVs with fewer row pairs than resident warps run
 	// one row a warp (gemv2_plain1, gemv2_norm1, built with -DG2_SINGLE=1:
@@ -330,7 +329,7 @@ func (b *Backend) loadKernels() error {
 // loadDecodeTC compiles decode.cu (attn_decode_tc) with the llama set's
 // macros; a build NVRTC rejects leaves attn_decode2 in use.
 func (b *Backend) loadDecodeTC(k *cu.Kernels, opts []string) {
-	warps := min(cmp.Or(b.opts.tune.tcWarps, defaultTCWarps), b.fn.split/16)
+	warps := min(defaultTCWarps, b.fn.split/16) // 2 measured the same, 8 slower at large batches
 	for b.fn.split%(16*warps) != 0 {
 		warps--
 	}

@@ -266,14 +266,19 @@ func TestArenaHoldsEveryDecodePlan(t *testing.T) {
 	}
 }
 
-// TestArena8B prints (and bounds) the graph buffers of the llama3-8b shape.
-func TestArena8B(t *testing.T) {
+// pc8B is the llama3-8b shape's graph plan configuration (bf16, pages of 64).
+func pc8B(tb testing.TB) (model.Config, planConfig) {
 	c, err := model.RandomConfig("llama3-8b")
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	pc := planConfig{pageSize: 64, split: defaultAttSplit, heads: c.Heads, kvHeads: c.KVHeads, headDim: c.HeadDim,
+	return c, planConfig{pageSize: 64, split: defaultAttSplit, heads: c.Heads, kvHeads: c.KVHeads, headDim: c.HeadDim,
 		dim: c.Dim, hidden: c.HiddenDim, vocab: c.Vocab, eb: 2, maxSeqLen: c.MaxSeqLen, partBudget: graphPartBudget}
+}
+
+// TestArena8B prints (and bounds) the graph buffers of the llama3-8b shape.
+func TestArena8B(t *testing.T) {
+	c, pc := pc8B(t)
 	for _, bs := range []int{64, 256} {
 		a := pc.arenaFor(bs)
 		t.Logf("8B graph buffers at max batch %d: %.1f MiB (logits %.1f, partials %.1f, metadata %.2f)", bs,
@@ -288,12 +293,7 @@ func TestArena8B(t *testing.T) {
 // shape at ctx 1K (page tables, positions, lengths, splits) in a reused
 // image, as forwardDecode builds it: part of the gap between two steps.
 func BenchmarkBuildPlanDecode(b *testing.B) {
-	cfg, err := model.RandomConfig("llama3-8b")
-	if err != nil {
-		b.Fatal(err)
-	}
-	pc := planConfig{pageSize: 64, split: defaultAttSplit, heads: cfg.Heads, kvHeads: cfg.KVHeads, headDim: cfg.HeadDim,
-		dim: cfg.Dim, hidden: cfg.HiddenDim, vocab: cfg.Vocab, eb: 2, maxSeqLen: cfg.MaxSeqLen, partBudget: graphPartBudget}
+	_, pc := pc8B(b)
 	for _, n := range []int{1, 32, 128} {
 		seqs := make([]compute.Seq, n)
 		for i := range seqs {
