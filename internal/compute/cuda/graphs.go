@@ -217,12 +217,10 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 		}
 	}
 	p, err := buildPlanIn(&g.pc, seqs, &decodeShape{bs: k.bs, splits: k.splits}, g.planBuf)
-	if err == nil {
-		g.planBuf = p.img // reused by the next step's plan (this one is done with it by then)
-	}
 	if err != nil {
 		return true, err
 	}
+	g.planBuf = p.img // reused by the next step's plan (this one is done with it by then)
 	if err := b.begin(p, g.bufs.meta); err != nil {
 		return true, err
 	}
