@@ -166,15 +166,7 @@ func BenchmarkEngine(b *testing.B) {
 			tokens := 0
 			b.ReportAllocs()
 			for b.Loop() {
-				chans := make([]<-chan Event, streams)
-				for i := range chans {
-					ch, err := e.Submit(context.Background(), &Request{InputIDs: prompt,
-						Params: SamplingParams{MaxNewTokens: maxNew, IgnoreEOS: true}})
-					if err != nil {
-						b.Fatal(err)
-					}
-					chans[i] = ch
-				}
+				chans := submitN(b, e, streams, prompt, maxNew)
 				for _, ch := range chans {
 					tokens += len(collect(b, ch).tokens)
 				}

@@ -61,15 +61,7 @@ func BenchmarkEngineStep(b *testing.B) {
 			steps := 0
 			b.ReportAllocs()
 			for b.Loop() {
-				chans := make([]<-chan Event, streams)
-				for i := range chans {
-					ch, err := e.Submit(context.Background(), &Request{InputIDs: prompt,
-						Params: SamplingParams{MaxNewTokens: maxNew, IgnoreEOS: true}})
-					if err != nil {
-						b.Fatal(err)
-					}
-					chans[i] = ch
-				}
+				chans := submitN(b, e, streams, prompt, maxNew)
 				// one reader a stream, as the server has, counting tokens only
 				var wg sync.WaitGroup
 				counts := make([]int, streams)
@@ -93,4 +85,18 @@ func BenchmarkEngineStep(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(steps), "us/step")
 		})
 	}
+}
+
+// submitN submits n requests of prompt for maxNew tokens each (EOS ignored).
+func submitN(b *testing.B, e *Engine, n int, prompt []int, maxNew int) []<-chan Event {
+	chans := make([]<-chan Event, n)
+	for i := range chans {
+		ch, err := e.Submit(context.Background(), &Request{InputIDs: prompt,
+			Params: SamplingParams{MaxNewTokens: maxNew, IgnoreEOS: true}})
+		if err != nil {
+			b.Fatal(err)
+		}
+		chans[i] = ch
+	}
+	return chans
 }
