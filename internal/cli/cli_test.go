@@ -54,7 +54,7 @@ func TestServeGraphFlags(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"--disable-cuda-graph", "--cuda-graph-max-bs int", "(default 256)"} {
+	for _, want := range []string{"--disable-cuda-graph", "--cuda-graph-max-bs int", "(default 256)", "--disable-overlap-schedule"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("serve --help lacks %q", want)
 		}

@@ -51,6 +51,7 @@ type serveFlags struct {
 	profiling                            bool
 	randomWeights                        string
 	disableCUDAGraph                     bool
+	disableOverlap                       bool
 	cudaGraphMaxBS                       int
 	gpuFlagsSet                          []string // GPU-only flags given (the cpu backend warns it ignores them)
 	allowDirect, allowUnsigned           bool
@@ -66,7 +67,7 @@ type serveFlags struct {
 const maxTP = 64
 
 // gpuOnlyFlags are serve's flags that only the cuda backend uses.
-var gpuOnlyFlags = []string{"base-gpu-id", "mem-fraction-static", "disable-cuda-graph", "cuda-graph-max-bs"}
+var gpuOnlyFlags = []string{"base-gpu-id", "mem-fraction-static", "disable-cuda-graph", "cuda-graph-max-bs", "disable-overlap-schedule"}
 
 func newServeCmd(g *globals) *cobra.Command {
 	var f serveFlags
@@ -149,6 +150,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.BoolVar(&f.noRadixCache, "disable-radix-cache", false, "do not cache finished requests' KV for reuse by later prompts with the same prefix")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.BoolVar(&f.disableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly instead of replaying CUDA graphs (cuda)")
+	fl.BoolVar(&f.disableOverlap, "disable-overlap-schedule", false, "run each forward pass to its end before building the next, instead of queuing the next decode step on the GPU while the host reads this one's tokens (cuda)")
 	fl.IntVar(&f.cudaGraphMaxBS, "cuda-graph-max-bs", 256, "largest decode batch replayed from a CUDA graph, larger ones run eagerly (cuda; at most --max-running-requests)")
 	fl.Int64Var(&f.seed, "random-seed", 0, "seed for requests without one")
 	fl.BoolVar(&f.profiling, "enable-profiling", false, "serve Go profiles under /debug/pprof/")
@@ -452,6 +454,7 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		reng, err := engine.New(engine.Config{
 			Model: rbe.model, Pages: rbe.pages, Cache: rcache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
 			ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, MaxSeqLen: f.contextLength, DefaultSeed: f.seed, Logger: rlg, Registerer: rreg,
+			DisableOverlap: f.disableOverlap,
 		})
 		if err != nil {
 			return err

@@ -91,7 +91,6 @@ var compatFlags = []compatFlag{
 	{name: "stream-output", kind: "bool", why: "streams send cumulative text, as SGLang's default does"},
 	{name: "incremental-streaming-output", kind: "bool", why: "streams send cumulative text, as SGLang's default does"},
 	{name: "allow-auto-truncate", kind: "bool", why: "prompts beyond the context length are refused with a 400 naming the field"},
-	{name: "disable-overlap-schedule", kind: "bool", why: "the scheduler does not overlap CPU and GPU work"},
 	{name: "watchdog-timeout", kind: "value", why: "every wait has its own bound here (--disaggregation-timeout, --max-queue-wait, --transfer-timeout, --http-read-timeout)"},
 	{name: "soft-watchdog-timeout", kind: "value", why: "every wait has its own bound here (--disaggregation-timeout, --max-queue-wait, --transfer-timeout)"},
 	{name: "dist-timeout", kind: "value", why: whyNoDist},

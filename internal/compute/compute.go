@@ -77,6 +77,35 @@ type DeviceSampler interface {
 	ForwardSample(ctx context.Context, seqs []Seq, samp []Sample, res []Sampled) error
 }
 
+// AsyncSampler is an optional DeviceSampler capability (found by type
+// assertion): a sampling pass queued on the device and returned from at
+// once, so that the host builds and queues the next pass while the device
+// computes this one, and the device does not wait for the host between
+// decode steps. The next pass can read its tokens from this one's sampled
+// ids where they are, before the host has seen them.
+//
+// At most two passes are pending (started, results not yet waited for);
+// they are waited for in the order started. A backend may run a pass to
+// its end inside StartSample (one it cannot queue ahead); Wait then only
+// hands over the results.
+type AsyncSampler interface {
+	// StartSample queues ForwardSample(seqs, samp) and returns its handle.
+	// A seq i with from[i] >= 0 (from may be nil: none) is a one-token
+	// decode whose token is the one the pass started just before this one
+	// sampled for its seq from[i] (which had Logits set); its Tokens[0] is
+	// ignored. Accept is read during the call only. On error nothing of
+	// this pass is counted for sure: the caller ends its requests, and
+	// still waits for the passes started before it.
+	StartSample(ctx context.Context, seqs []Seq, samp []Sample, from []int) (Pending, error)
+}
+
+// Pending is a started pass of an AsyncSampler.
+type Pending interface {
+	// Wait blocks until the pass is done and writes ForwardSample's
+	// results into res (len >= the pass's seqs). It is called once.
+	Wait(res []Sampled) error
+}
+
 // SamplerState is one request's sampling state on a DeviceSampler.
 type SamplerState interface {
 	// Close frees the state; it must not be used again.

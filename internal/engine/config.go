@@ -62,6 +62,10 @@ type Config struct {
 	// HostSampling samples every token on the host even when the model can
 	// sample on the device (compute.DeviceSampler): for comparisons.
 	HostSampling bool
+	// DisableOverlap runs each pass to its end before the next is built,
+	// even when the model can queue sampling passes
+	// (compute.AsyncSampler): for comparisons.
+	DisableOverlap bool
 
 	Logger     *zap.Logger           // nil: no logs
 	Registerer prometheus.Registerer // nil: metrics are kept but not exported

@@ -92,6 +92,7 @@ type Engine struct {
 	cfg       Config
 	model     compute.Model
 	ds        compute.DeviceSampler // nil: sample on the host
+	as        compute.AsyncSampler  // nil: each pass ends before the next is built
 	dsWarned  bool                  // a refused device state was logged at warn level
 	pages     *kvcache.Allocator
 	tok       tokenizer.Tokenizer
@@ -114,13 +115,13 @@ type Engine struct {
 
 	// Owned by the loop (or by shutdown under loopMu).
 	running  []*seq
-	batch    []compute.Seq
-	bseqs    []*seq
-	bchunk   []int
+	passBuf  [2]pass // reused; at most two are live (pass.go)
+	fl       *pass   // started, results not yet handled
+	passes   uint64  // passes started (their ids)
+	landed   uint64  // the last pass whose device work is over
+	deferred []deferredFinish
 	outs     [][]float32
 	slab     []float32
-	bsamp    []compute.Sample
-	bres     []compute.Sampled
 	nRunning atomic.Int64
 }
 
@@ -147,6 +148,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if d, ok := cfg.Model.(compute.DeviceSampler); ok && !cfg.HostSampling {
 		e.ds = d
+		if a, ok := d.(compute.AsyncSampler); ok && !cfg.DisableOverlap {
+			e.as = a
+		}
 	}
 	for _, id := range cfg.Tokenizer.EOS() {
 		e.eos[id] = true
@@ -328,6 +332,7 @@ func (e *Engine) Run(ctx context.Context) error {
 		}
 	}()
 	err := e.loop(runCtx)
+	e.drain()
 	select {
 	case <-e.done:
 		err = nil // stopped by Close

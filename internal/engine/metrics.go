@@ -18,6 +18,7 @@ type metrics struct {
 	requests      *prometheus.CounterVec // finish: stop, length, abort
 	cacheQuery    prometheus.Counter
 	cacheHit      prometheus.Counter
+	queuedPasses  prometheus.Counter
 	collectors    []prometheus.Collector
 }
 
@@ -59,11 +60,15 @@ func newMetrics(e *Engine) *metrics {
 		Name: "mooncake_radix_cache_hit_tokens_total",
 		Help: "Prompt tokens taken from the prefix cache instead of computed.",
 	})
+	m.queuedPasses = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "mooncake_engine_queued_passes_total",
+		Help: "Decode passes started on the device before the previous pass's tokens were read (overlapped scheduling).",
+	})
 	for _, f := range []string{"stop", "length", "abort"} {
 		m.requests.WithLabelValues(f)
 	}
 	m.collectors = []prometheus.Collector{
-		m.prefillTokens, m.decodeTokens, m.ttft, m.itl, m.queueSeconds, m.requests, m.cacheQuery, m.cacheHit,
+		m.prefillTokens, m.decodeTokens, m.ttft, m.itl, m.queueSeconds, m.requests, m.cacheQuery, m.cacheHit, m.queuedPasses,
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "mooncake_radix_cache_evicted_pages_total",
 			Help: "KV pages the prefix cache gave back to the pool.",

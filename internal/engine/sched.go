@@ -3,13 +3,11 @@ package engine
 import (
 	"context"
 	"fmt"
-	"math"
 	"slices"
 	"time"
 
 	"go.uber.org/zap"
 
-	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
 	"github.com/mooncake-go/mooncake-go/internal/sampling"
 )
@@ -38,7 +36,7 @@ func (e *Engine) loop(ctx context.Context) error {
 		e.reap()
 		freed := e.pages.Changed() // before admit: no release is missed
 		next := e.admit()
-		if len(e.running) == 0 {
+		if len(e.running) == 0 && e.fl == nil {
 			var wait <-chan time.Time
 			if !next.IsZero() {
 				timer.Reset(max(time.Until(next), 0))
@@ -250,159 +248,6 @@ func (e *Engine) openDevice(s *seq) {
 	s.dev = st
 }
 
-// step runs one forward pass and handles its results.
-func (e *Engine) step(ctx context.Context) error {
-	e.batch, e.bseqs, e.bchunk = e.batch[:0], e.bseqs[:0], e.bchunk[:0]
-	nLogits := 0
-	for _, s := range e.running {
-		if s.state == stateDecode {
-			e.batch = append(e.batch, compute.Seq{
-				Tokens: s.next[:], Pos: s.pos, Pages: s.table.IDs()[:e.pagesFor(s.pos+1)], Logits: true,
-			})
-			e.bseqs = append(e.bseqs, s)
-			e.bchunk = append(e.bchunk, 0)
-			nLogits++
-		}
-	}
-	budget := e.cfg.ChunkedPrefillSize
-	if budget < 0 {
-		budget = math.MaxInt
-	}
-	for _, s := range e.running {
-		if budget == 0 {
-			break
-		}
-		if s.state != statePrefill {
-			continue
-		}
-		n := min(len(s.prompt)-s.prefilled, budget)
-		end := s.prefilled + n
-		last := end == len(s.prompt)
-		e.batch = append(e.batch, compute.Seq{
-			Tokens: s.prompt[s.prefilled:end], Pos: s.prefilled, Pages: s.table.IDs()[:e.pagesFor(end)], Logits: last,
-		})
-		if lh, ok := s.hook.(PrefillLayerHook); ok {
-			e.batch[len(e.batch)-1].Layer = func(l int, ready compute.Fence) { lh.Layer(l, end, ready) }
-		}
-		e.bseqs = append(e.bseqs, s)
-		e.bchunk = append(e.bchunk, n)
-		budget -= n
-		if last {
-			nLogits++
-		}
-	}
-	if len(e.batch) == 0 {
-		return nil
-	}
-	// On the device when every logits row's request has a device state.
-	dev := e.ds != nil && nLogits > 0
-	for i, s := range e.bseqs {
-		if e.batch[i].Logits && s.dev == nil {
-			dev = false
-		}
-	}
-	if dev {
-		e.bsamp = slices.Grow(e.bsamp[:0], len(e.batch))[:len(e.batch)]
-		e.bres = slices.Grow(e.bres[:0], len(e.batch))[:len(e.batch)]
-		for i, s := range e.bseqs {
-			e.bsamp[i], e.bres[i] = compute.Sample{}, compute.Sampled{}
-			if e.batch[i].Logits {
-				e.bsamp[i] = compute.Sample{State: s.dev, Step: uint64(s.output), Accept: s.devPending,
-					Logprob: s.req.Logprobs, TopLogprobs: s.req.TopLogprobs}
-			}
-		}
-	} else {
-		if need := nLogits * e.vocab; cap(e.slab) < need {
-			e.slab = make([]float32, need)
-		}
-		e.outs = slices.Grow(e.outs[:0], len(e.batch))[:len(e.batch)]
-		k := 0
-		for i, b := range e.batch {
-			e.outs[i] = nil
-			if b.Logits {
-				e.outs[i] = e.slab[k*e.vocab : (k+1)*e.vocab : (k+1)*e.vocab]
-				k++
-			}
-		}
-	}
-
-	if err := e.forward(ctx, dev); err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err() // shutting down: Run aborts everyone with ErrClosed
-		}
-		err = fmt.Errorf("engine: forward pass of %d sequences: %w", len(e.batch), err)
-		e.lg.Error("forward pass failed", zap.Error(err))
-		for _, s := range e.bseqs {
-			e.finishAbort(s, err)
-		}
-		e.compact()
-		return err
-	}
-
-	// Count before emitting: a client that sees its last token (or its pages
-	// back) must also see the tokens counted.
-	var prefillTokens, decodeTokens int
-	for _, n := range e.bchunk[:len(e.bseqs)] {
-		if n > 0 {
-			prefillTokens += n
-		} else {
-			decodeTokens++
-		}
-	}
-	e.m.prefillTokens.Add(float64(prefillTokens))
-	e.m.decodeTokens.Add(float64(decodeTokens))
-	// The token of output step s.output: the device's, or sampled here.
-	pick := func(i int, s *seq) (int, float32, []sampling.TopLogprob) {
-		if dev {
-			s.devPending = s.devPending[:0] // counted by the pass
-			r := &e.bres[i]
-			return r.Token, r.Logprob, r.Top
-		}
-		tok := s.sampler.Sample(uint64(s.output), e.outs[i])
-		lp, top := e.logprobs(s, e.outs[i], tok)
-		return tok, lp, top
-	}
-	for i, s := range e.bseqs {
-		if n := e.bchunk[i]; n > 0 {
-			s.prefilled += n
-			if s.hook != nil {
-				s.hook.Chunk(s.prefilled)
-			}
-			if s.prefilled < len(s.prompt) {
-				continue
-			}
-			tok, lp, top := pick(i, s)
-			s.state = stateDecode
-			s.pos = len(s.prompt)
-			s.next[0] = int32(tok)
-			e.emit(s, tok, lp, top, dev)
-			continue
-		}
-		s.pos++
-		tok, lp, top := pick(i, s)
-		s.next[0] = int32(tok)
-		e.emit(s, tok, lp, top, dev)
-	}
-	e.compact()
-	return nil
-}
-
-// forward runs the model on the batch (sampling on the device when dev),
-// turning a backend panic into an error for the batch's requests rather
-// than a crash of the server.
-func (e *Engine) forward(ctx context.Context, dev bool) (err error) {
-	defer func() {
-		if r := recover(); r != nil {
-			e.lg.Error("forward pass panicked", zap.Any("panic", r), zap.Stack("stack"))
-			err = fmt.Errorf("panic: %v", r)
-		}
-	}()
-	if dev {
-		return e.ds.ForwardSample(ctx, e.batch, e.bsamp, e.bres)
-	}
-	return e.model.Forward(ctx, e.batch, e.outs)
-}
-
 // logprobs are the chosen token's log-probability and the position's most
 // likely tokens under the model's raw distribution: log-softmax of the
 // logits at temperature 1, before logit_bias, penalties, temperature and filters. Each
@@ -486,11 +331,23 @@ func (e *Engine) finishAbort(s *seq, err error) {
 // finish ends s exactly once: unregisters its context, hands its pages back
 // (or to the prefill hook, which releases them when its transfer is done;
 // the allocator then wakes the loop), counts and logs it, and posts ev with f.
+// While a pass that includes s is still in flight (queued passes, pass.go)
+// it reads s's pages and device state, so all of that waits for the pass to
+// land; s takes no further part meanwhile.
 func (e *Engine) finish(s *seq, f *Finish, ev Event) {
 	if s.state == stateDone {
 		return
 	}
 	s.state = stateDone
+	if s.lastPass != 0 && s.lastPass > e.landed { // lastPass 0: never in a pass (any goroutine)
+		e.deferred = append(e.deferred, deferredFinish{s, f, ev})
+		return
+	}
+	e.end(s, f, ev)
+}
+
+// end is finish's work.
+func (e *Engine) end(s *seq, f *Finish, ev Event) {
 	if s.stopCtx != nil {
 		s.stopCtx()
 	}

@@ -44,6 +44,7 @@ type seq struct {
 	pos       int      // position of next (decode)
 	next      [1]int32 // token to feed at pos
 	output    int      // output tokens so far, and the sampling step of the next
+	lastPass  uint64   // the last pass s was in (0: none)
 	seed      uint64
 	sampler   *sampling.Sampler
 	// dev is the request's device sampling state (nil: host only);

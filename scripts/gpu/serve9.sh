@@ -8,7 +8,7 @@
 # and, when bench serve has --shared-prefix-len, the prefix cache's figure:
 # 8 groups sharing a 2K prefix, radix cache on vs --disable-radix-cache.
 # One line per run; logs in $OUT. ONLY=prefix runs the prefix cache's pair
-# alone.
+# alone; NO_PREFIX=1 leaves it out.
 set -u
 cd "$(dirname "$0")/../.."
 log=${OUT:-/tmp/serve9}
@@ -44,7 +44,7 @@ if [ "${ONLY:-}" != prefix ]; then
 	run in1k-c128 "" --input-len 1024 --output-len 128 --concurrency 128 --num-prompts 256
 	run in128-out1k-c64 "" --input-len 128 --output-len 1024 --concurrency 64 --num-prompts 128
 fi
-if $mc bench serve --help 2>&1 | grep -q -- --shared-prefix-len; then
+if [ -z "${NO_PREFIX:-}" ] && $mc bench serve --help 2>&1 | grep -q -- --shared-prefix-len; then
 	P="--shared-prefix-len 2048 --num-groups 8 --input-len 128 --output-len 32 --concurrency 16 --num-prompts 128"
 	run prefix-radix "" $P
 	run prefix-noradix "--disable-radix-cache" $P
