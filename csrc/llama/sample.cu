@@ -684,6 +684,16 @@ extern "C" __global__ void sample_accept(const AcceptEntry *e, int n) {
 		atomicAdd((u32 *)e[i].words + e[i].token, 1u);
 }
 
+// sample_take gives the n token rows of a pass whose token is -1 - r the
+// token the previous pass sampled in its row r (queued passes: the host
+// has not seen it yet).
+extern "C" __global__ void sample_take(int *tok, const SampleOut *prev, int n) {
+	for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+		int t = tok[i];
+		if (t < 0) tok[i] = prev[-1 - t].token;
+	}
+}
+
 // sample_init marks a new state's words (zeroed before): the prompt's
 // tokens (for the repetition penalty) and the biased ones.
 extern "C" __global__ void sample_init(u32 *words, const int *prompt, int np, const int *bias_ids, int nb) {

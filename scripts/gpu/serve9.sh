@@ -4,7 +4,8 @@
 # the GPU) under `bench serve`:
 #   1K in / 128 out, concurrency 32, 64 prompts   (with and without CUDA graphs)
 #   1K in / 128 out, concurrency 128, 256 prompts
-#   128 in / 1024 out, concurrency 64, 128 prompts
+#   128 in / 1024 out, concurrency 64, 128 prompts (with and without the
+#   overlapped scheduling)
 # and, when bench serve has --shared-prefix-len, the prefix cache's figure:
 # 8 groups sharing a 2K prefix, radix cache on vs --disable-radix-cache.
 # One line per run; logs in $OUT. ONLY=prefix runs the prefix cache's pair
@@ -43,6 +44,7 @@ if [ "${ONLY:-}" != prefix ]; then
 	run in1k-c32-nograph "--disable-cuda-graph" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
 	run in1k-c128 "" --input-len 1024 --output-len 128 --concurrency 128 --num-prompts 256
 	run in128-out1k-c64 "" --input-len 128 --output-len 1024 --concurrency 64 --num-prompts 128
+	run in128-out1k-c64-nooverlap "--disable-overlap-schedule" --input-len 128 --output-len 1024 --concurrency 64 --num-prompts 128
 fi
 if [ -z "${NO_PREFIX:-}" ] && $mc bench serve --help 2>&1 | grep -q -- --shared-prefix-len; then
 	P="--shared-prefix-len 2048 --num-groups 8 --input-len 128 --output-len 32 --concurrency 16 --num-prompts 128"

@@ -144,6 +144,7 @@ type Backend struct {
 	gmode  int        // graphsOn, or a test's graphsOff / graphsPadded
 	tm     *stepTimer // nil unless Options.TimeSteps
 	smp    sampler    // sampling on the GPU (sample.go)
+	q      queue      // sampling passes in flight (async.go)
 }
 
 // New loads m onto GPU opts.Device. Errors from a missing driver wrap
@@ -393,7 +394,7 @@ func (b *Backend) release() error {
 		b.graphs.moe.free(b)
 		b.graphs = nil
 	}
-	errs = append(errs, b.tm.destroy())
+	errs = append(errs, b.tm.destroy(), b.q.destroy())
 	b.tm = nil
 	for _, ev := range b.layerEv {
 		errs = append(errs, ev.Destroy())

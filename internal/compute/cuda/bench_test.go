@@ -264,7 +264,7 @@ func TestBenchGraph8B(t *testing.T) {
 		floorIs = "the weights a step reads (attention, router, the experts its tokens choose: all k at batch 1, E(1-(1-k/E)^b) expected at batch b under uniform routing) + KV"
 	}
 	lines := []string{shape + " bf16, random weights and KV; floor = " + floorIs + " read once at the HBM read bandwidth of the same backend",
-		"| kernels | batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy | host sampling ms (gap us) | GPU sampling ms (x floor, gap us) | GPU greedy ms (gap us) |",
+		"| kernels | batch | ctx | floor ms | eager ms (x floor) | graph ms (x floor) | graph, no logits copy ms (x floor) | GPU busy ms/step (graph) | gap us mean / max (graph) | gap us, no logits copy | host sampling ms (gap us) | GPU sampling ms (x floor, gap us) | GPU greedy ms (gap us) | GPU greedy, queued ms (x floor, gap us mean / max) |",
 		"| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"}
 	for _, v := range []struct {
 		name string
@@ -292,7 +292,7 @@ var bestBW float64
 
 func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSampling bool) []string {
 	const ps = 64
-	runs := []struct{ bs, ctx int }{{1, 1024}, {32, 1024}, {128, 1024}, {8, 8192}}
+	runs := []struct{ bs, ctx int }{{1, 1024}, {32, 1024}, {64, 1024}, {128, 1024}, {8, 8192}}
 	per1K, per8K := ceilDiv(1024+1, ps), ceilDiv(8192+1, ps)
 	pages := 128*per1K + 8*per8K
 	t0 := time.Now()
@@ -366,11 +366,12 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSamp
 		floor := (stepWeightBytes(cfg, b.WeightBytes(), b.eb, c.bs) + float64(c.bs)*float64(c.ctx+1)*kvTok) / bw
 		x := func(d time.Duration) float64 { return d.Seconds() / floor }
 		us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-		samp := " - | - | - |"
+		samp := " - | - | - | - |"
 		if withSampling {
-			hostS, stH, devS, stS, devG, stG := benchSampling(t, b, seqs, out[:c.bs])
-			samp = fmt.Sprintf(" %.2f (%.1f) | %.2f (%.2fx, %.1f) | %.2f (%.1f) |",
-				ms(hostS), us(stH.GapMean()), ms(devS), x(devS), us(stS.GapMean()), ms(devG), us(stG.GapMean()))
+			hostS, stH, devS, stS, devG, stG, q, stQ := benchSampling(t, b, seqs, out[:c.bs])
+			samp = fmt.Sprintf(" %.2f (%.1f) | %.2f (%.2fx, %.1f) | %.2f (%.1f) | %.2f (%.2fx, %.1f / %.1f) |",
+				ms(hostS), us(stH.GapMean()), ms(devS), x(devS), us(stS.GapMean()), ms(devG), us(stG.GapMean()),
+				ms(q), x(q), us(stQ.GapMean()), us(stQ.GapMax))
 		}
 		l := fmt.Sprintf("| %s | %d | %d | %.2f | %.2f (%.2fx) | %.2f (%.2fx) | %.2f (%.2fx) | %.2f | %.1f / %.1f | %.1f / %.1f |",
 			name, c.bs, c.ctx, floor*1e3, ms(eager), x(eager), ms(graph), x(graph), ms(dev), x(dev),
@@ -387,9 +388,11 @@ func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSamp
 }
 
 // benchSampling times decode steps of seqs sampled on the host and on the
-// GPU (see TestBenchGraph8B), each after warm-up steps, with the gaps.
+// GPU (see TestBenchGraph8B), each after warm-up steps, with the gaps; the
+// last, greedy steps queued one ahead with their tokens from the step
+// before (compute.AsyncSampler), is the mean over 20 steps.
 func benchSampling(t *testing.T, b *Backend, seqs []compute.Seq, out [][]float32) (host time.Duration, hostSt StepTimes,
-	dev time.Duration, devSt StepTimes, greedy time.Duration, greedySt StepTimes) {
+	dev time.Duration, devSt StepTimes, greedy time.Duration, greedySt StepTimes, queued time.Duration, queuedSt StepTimes) {
 	t.Helper()
 	ctx := context.Background()
 	sp := sampling.Params{Temperature: 0.7, TopK: 50, TopP: 0.9}
@@ -444,7 +447,51 @@ func benchSampling(t *testing.T, b *Backend, seqs []compute.Seq, out [][]float32
 	}
 	dev, devSt = timed(devStep(sp))
 	greedy, greedySt = timed(devStep(sampling.Params{}))
-	return
+
+	samp := make([]compute.Sample, n)
+	for i := range samp {
+		st, err := b.NewSamplerState(sampling.Params{}, uint64(i), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { st.Close() })
+		samp[i] = compute.Sample{State: st}
+	}
+	from := make([]int, n)
+	for i := range from {
+		from[i] = i
+	}
+	res := make([]compute.Sampled, n)
+	start := func(f []int) compute.Pending {
+		for i := range samp {
+			samp[i].Step = step
+		}
+		step++
+		p, err := b.StartSample(ctx, seqs, samp, f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	chain := func(steps int) time.Duration {
+		t0 := time.Now()
+		p := start(nil)
+		for k := range steps {
+			var next compute.Pending
+			if k < steps-1 {
+				next = start(from)
+			}
+			if err := p.Wait(res); err != nil {
+				t.Fatal(err)
+			}
+			p = next
+		}
+		return time.Since(t0)
+	}
+	chain(4)
+	b.ResetStepTimes()
+	queued = chain(20) / 20
+	return host, hostSt, dev, devSt, greedy, greedySt, queued, b.StepTimes()
 }
 
 // stepWeightBytes is what a decode step of batch tokens reads of the

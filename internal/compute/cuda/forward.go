@@ -195,6 +195,10 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 			return err
 		}
 	}
+	// Eager scratch may move: the passes still queued end first.
+	if err := b.q.settle(); err != nil {
+		return err
+	}
 	p, err := buildPlan(&b.pc, seqs, nil)
 	if err != nil {
 		return err
@@ -224,7 +228,7 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 		return err
 	}
 	if job != nil {
-		if err := errors.Join(b.sampleLaunch(sb, d.logits, p.m), b.sampleCopyOut(sb, p.m)); err != nil {
+		if err := errors.Join(b.sampleLaunch(sb, d.logits, p.m), b.sampleCopyOut(sb, job, p.m)); err != nil {
 			return err
 		}
 	}
@@ -232,9 +236,12 @@ func (b *Backend) forward(ctx context.Context, seqs []compute.Seq, out [][]float
 }
 
 // begin marks a step's start (Options.TimeSteps) and copies p's metadata
-// to meta through the pinned staging buffer, async on the stream (idle, so
-// the staging buffer is free).
+// to meta through the pinned staging buffer, async on the stream, once a
+// queued pass before it is done with that buffer.
 func (b *Backend) begin(p *passPlan, meta cu.DevicePtr) error {
+	if err := b.q.waitInputs(); err != nil {
+		return err
+	}
 	if err := b.ensureHost(&b.s.hostMeta, uint64(p.size)); err != nil {
 		return err
 	}
@@ -266,6 +273,9 @@ func (b *Backend) finish(seqs []compute.Seq, out [][]float32, p *passPlan, logit
 		}
 	}
 	if err := b.tm.stop(b.stream); err != nil {
+		return err
+	}
+	if err := b.q.settle(); err != nil { // the queued passes before it, timed in order
 		return err
 	}
 	if err := b.stream.Synchronize(); err != nil {

@@ -201,32 +201,47 @@ func (g *graphSet) execs() int {
 // caller runs it eager and packed).
 func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][]float32, copyLogits bool, job *sampleJob) (done bool, err error) {
 	g := b.graphs
-	bs, ok := bucketFor(g.buckets, len(seqs))
+	k, ok := b.decodeKey(seqs, job != nil)
 	if !ok {
 		return false, nil
 	}
-	need := 1
-	for i := range seqs {
-		need = max(need, g.pc.splitsFor(seqs[i].Pos))
-	}
-	k := graphKey{bs: bs, splits: splitBucket(need, g.maxSplits), sample: job != nil}
 	var sb *sampleBufs
 	if job != nil {
 		if sb, err = b.graphSampleBufs(); err != nil {
 			return true, err
 		}
+		job.graphOut = true
 	}
 	p, err := buildPlanIn(&g.pc, seqs, &decodeShape{bs: k.bs, splits: k.splits}, g.planBuf)
 	if err != nil {
 		return true, err
 	}
 	g.planBuf = p.img // reused by the next step's plan (this one is done with it by then)
+	if job != nil && job.prev != nil {
+		// Rows whose token the last pass sampled: -1 - its row, for sample_take.
+		for i, r := range job.prev {
+			if r >= 0 {
+				p.img[p.tok+i] = -1 - r
+			}
+		}
+	}
 	if err := b.begin(p, g.bufs.meta); err != nil {
 		return true, err
 	}
 	if job != nil {
 		if err := b.samplePrep(job, sb, k.bs); err != nil {
 			return true, err
+		}
+		if job.prev != nil {
+			if err := b.stream.Launch(b.smp.fns.take, cu.D1(uint32(ceilDiv(p.n, 256))), cu.D1(256), 0,
+				g.bufs.meta+cu.DevicePtr(4*p.tok), sb.out, int32(p.n)); err != nil {
+				return true, err
+			}
+		}
+		if job.async {
+			if err := b.q.markInputs(b.stream); err != nil {
+				return true, err
+			}
 		}
 	}
 	var ex *cu.GraphExec
@@ -252,8 +267,13 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 		g.eager++
 	}
 	if job != nil {
-		if err := b.sampleCopyOut(sb, len(job.states)); err != nil {
+		if err := b.sampleCopyOut(sb, job, len(job.states)); err != nil {
 			return true, err
+		}
+		if job.async && ex != nil {
+			// Left running: StartSample records its end, Wait times it.
+			job.queued = true
+			return true, b.tm.stop(b.stream)
 		}
 	}
 	if err := b.finish(seqs, out, p, g.bufs.logits, copyLogits); err != nil {
@@ -263,6 +283,21 @@ func (b *Backend) forwardDecode(ctx context.Context, seqs []compute.Seq, out [][
 		b.capture(k, p)
 	}
 	return true, nil
+}
+
+// decodeKey is the graph shape of pure-decode pass seqs (sample: it
+// samples), false when the batch exceeds the largest bucket.
+func (b *Backend) decodeKey(seqs []compute.Seq, sample bool) (graphKey, bool) {
+	g := b.graphs
+	bs, ok := bucketFor(g.buckets, len(seqs))
+	if !ok {
+		return graphKey{}, false
+	}
+	need := 1
+	for i := range seqs {
+		need = max(need, g.pc.splitsFor(seqs[i].Pos))
+	}
+	return graphKey{bs: bs, splits: splitBucket(need, g.maxSplits), sample: sample}, true
 }
 
 // enqueueDecode enqueues decode pass p of shape k on the arena, with the
@@ -383,13 +418,15 @@ func (b *Backend) ResetStepTimes() {
 	}
 }
 
-// stepTimer records a start and an end event per pass, alternating two
-// pairs so that the previous pass's end is still there for the gap. Nil:
-// timing off (every method a no-op).
+// stepTimer records a start and an end event per pass in a ring of three
+// pairs: two passes may be queued while the one before them still holds
+// the end the gap is measured from. Passes are done (timed) in the order
+// started. Nil: timing off (every method a no-op).
 type stepTimer struct {
-	ev   [2][2]*cu.Event // [parity][start, end]
-	n    int
-	prev bool // the other pair holds the previous pass's end
+	ev   [3][2]*cu.Event // [pass % 3][start, end]
+	n    int             // passes timed
+	q    int             // passes stopped (recorded to their end)
+	prev bool            // the pair before n's holds the previous pass's end
 	t    StepTimes
 }
 
@@ -412,22 +449,29 @@ func (tm *stepTimer) start(s *cu.Stream) error {
 	if tm == nil {
 		return nil
 	}
-	return tm.ev[tm.n%2][0].Record(s)
+	return tm.ev[tm.q%3][0].Record(s)
 }
 
 func (tm *stepTimer) stop(s *cu.Stream) error {
 	if tm == nil {
 		return nil
 	}
-	return tm.ev[tm.n%2][1].Record(s)
+	err := tm.ev[tm.q%3][1].Record(s)
+	tm.q++
+	return err
 }
 
-// done reads the events of the pass just synchronised.
+// done reads the events of the oldest pass not yet timed (its end was
+// waited for).
 func (tm *stepTimer) done() error {
 	if tm == nil {
 		return nil
 	}
-	cur := tm.n % 2
+	if tm.n >= tm.q {
+		return nil // forgotten by broken
+	}
+	cur := tm.n % 3
+	tm.n++
 	ms, err := cu.ElapsedMs(tm.ev[cur][0], tm.ev[cur][1])
 	if err != nil {
 		tm.prev = false
@@ -436,7 +480,7 @@ func (tm *stepTimer) done() error {
 	tm.t.Passes++
 	tm.t.Busy += msDur(ms)
 	if tm.prev {
-		gms, err := cu.ElapsedMs(tm.ev[1-cur][1], tm.ev[cur][0])
+		gms, err := cu.ElapsedMs(tm.ev[(cur+2)%3][1], tm.ev[cur][0])
 		if err != nil {
 			tm.prev = false
 			return err
@@ -449,15 +493,14 @@ func (tm *stepTimer) done() error {
 		tm.t.GapSum += gap
 		tm.t.Gaps++
 	}
-	tm.n++
 	tm.prev = true
 	return nil
 }
 
-// broken forgets the previous pass (a pass failed: no gap to it).
+// broken forgets the passes not yet timed (a pass failed: no gap to it).
 func (tm *stepTimer) broken() {
 	if tm != nil {
-		tm.prev = false
+		tm.prev, tm.n = false, tm.q
 	}
 }
 

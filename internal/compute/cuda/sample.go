@@ -58,9 +58,9 @@ const (
 
 // sampleFns are the sampling module's kernels.
 type sampleFns struct {
-	mod                                   *cu.Module
-	adjust, weights, finish, accept, init *cu.Function
-	philox, exp                           *cu.Function // tests
+	mod                                         *cu.Module
+	adjust, weights, finish, accept, init, take *cu.Function
+	philox, exp                                 *cu.Function // tests
 }
 
 // sampleBufs are a pass's sampling buffers (rows rows).
@@ -90,7 +90,8 @@ type sampler struct {
 	graph     *sampleBufs    // the decode graphs' (fixed addresses; nil until first used)
 	eager     struct{ params, out, work, cstat, rsum, bsum, accept, init dbuf }
 	// pinned staging
-	hostParams, hostOut, hostAccept, hostInit *cu.HostMem
+	hostParams, hostAccept, hostInit *cu.HostMem
+	hostOut                          [2]*cu.HostMem // results, alternating between passes (async.go)
 }
 
 // slot offsets: the words, then MaxLogitBias ids and values.
@@ -125,7 +126,7 @@ func (b *Backend) loadSampler() {
 			p    **cu.Function
 			name string
 		}{{&f.adjust, "sample_adjust"}, {&f.weights, "sample_weights"}, {&f.finish, "sample_finish"},
-			{&f.accept, "sample_accept"}, {&f.init, "sample_init"}, {&f.philox, "sample_philox"}, {&f.exp, "sample_exp"}} {
+			{&f.accept, "sample_accept"}, {&f.init, "sample_init"}, {&f.take, "sample_take"}, {&f.philox, "sample_philox"}, {&f.exp, "sample_exp"}} {
 			if *e.p, err = f.mod.Function(e.name); err != nil {
 				return err
 			}
@@ -148,7 +149,7 @@ func (s *sampler) release(b *Backend) []error {
 		}
 		*d = dbuf{}
 	}
-	for _, h := range []**cu.HostMem{&s.hostParams, &s.hostOut, &s.hostAccept, &s.hostInit} {
+	for _, h := range []**cu.HostMem{&s.hostParams, &s.hostOut[0], &s.hostOut[1], &s.hostAccept, &s.hostInit} {
 		errs = append(errs, (*h).Free())
 		*h = nil
 	}
@@ -308,6 +309,13 @@ type sampleJob struct {
 	reqs   []compute.Sample
 	seqIdx []int // seq index of each row
 	accept []acceptEntry
+	slot   int // results staging buffer (sampler.hostOut)
+	// Queued passes (async.go): prev is each seq's row in the last pass's
+	// results whose token it takes (-1: its own), nil when none does;
+	// async asks forwardDecode to leave the pass running, queued says it
+	// did; graphOut says the pass sampled into the decode graphs' buffers.
+	prev                    []int32
+	async, queued, graphOut bool
 }
 
 type acceptEntry struct {
@@ -403,30 +411,17 @@ func sampleParams(dst []byte, j *sampleJob, rows, vocab int, biasOff uint64) {
 	}
 }
 
-// ForwardSample implements compute.DeviceSampler.
+// ForwardSample implements compute.DeviceSampler: a started pass, waited
+// for.
 func (b *Backend) ForwardSample(ctx context.Context, seqs []compute.Seq, samp []compute.Sample, res []compute.Sampled) error {
 	if len(res) < len(seqs) {
 		return fmt.Errorf("cuda backend: %d results for %d seqs", len(res), len(seqs))
 	}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return errors.New("cuda backend: closed")
-	}
-	if b.smp.err != nil {
-		return fmt.Errorf("cuda backend: no device sampling: %w", b.smp.err)
-	}
-	j, err := b.newSampleJob(seqs, samp)
+	p, err := b.StartSample(ctx, seqs, samp, nil)
 	if err != nil {
 		return err
 	}
-	if err := b.forwardLocked(ctx, seqs, nil, false, j); err != nil {
-		return err
-	}
-	if len(j.states) == 0 {
-		return nil
-	}
-	return j.results(b.smp.hostOut.Bytes(), b.cfg.Vocab, res)
+	return p.Wait(res)
 }
 
 // results reads the rows' SampleOut records into res.
@@ -505,7 +500,7 @@ func (b *Backend) samplePrep(j *sampleJob, sb *sampleBufs, rows int) error {
 	if err := b.ensureHost(&s.hostParams, n); err != nil {
 		return err
 	}
-	if err := b.ensureHost(&s.hostOut, uint64(rows)*sampleOutBytes); err != nil {
+	if err := b.ensureHost(&s.hostOut[j.slot], uint64(rows)*sampleOutBytes); err != nil {
 		return err
 	}
 	sampleParams(s.hostParams.Bytes(), j, rows, b.cfg.Vocab, s.biasOff(b.cfg.Vocab))
@@ -553,13 +548,13 @@ func (b *Backend) sampleLaunch(sb *sampleBufs, logits cu.DevicePtr, rows int) er
 		sb.rsum, sb.bsum, sb.out, int32(V), int32(nch), int32(nrb))
 }
 
-// sampleCopyOut copies the first n rows' results to the pinned staging
-// buffer, async on the stream (read after the pass's synchronisation).
-func (b *Backend) sampleCopyOut(sb *sampleBufs, n int) error {
+// sampleCopyOut copies the first n rows' results to the job's pinned
+// staging buffer, async on the stream (read after the pass's end).
+func (b *Backend) sampleCopyOut(sb *sampleBufs, j *sampleJob, n int) error {
 	if n == 0 {
 		return nil
 	}
-	return b.stream.MemcpyDtoH(b.smp.hostOut.Ptr(), sb.out, uint64(n)*sampleOutBytes)
+	return b.stream.MemcpyDtoH(b.smp.hostOut[j.slot].Ptr(), sb.out, uint64(n)*sampleOutBytes)
 }
 
 // SamplerStates counts the sampler states not closed (tests, logs).

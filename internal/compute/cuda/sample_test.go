@@ -140,14 +140,14 @@ func (b *Backend) sampleRows(logits [][]float32, samp []compute.Sample) ([]compu
 	if err := b.sampleLaunch(sb, d, rows); err != nil {
 		return nil, err
 	}
-	if err := b.sampleCopyOut(sb, rows); err != nil {
+	if err := b.sampleCopyOut(sb, j, rows); err != nil {
 		return nil, err
 	}
 	if err := b.stream.Synchronize(); err != nil {
 		return nil, err
 	}
 	res := make([]compute.Sampled, rows)
-	return res, j.results(b.smp.hostOut.Bytes(), V, res)
+	return res, j.results(b.smp.hostOut[j.slot].Bytes(), V, res)
 }
 
 // TestSampleMatchesCPU: for random logits with many ties (and smooth

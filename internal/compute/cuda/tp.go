@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -22,6 +23,7 @@ import (
 var (
 	_ compute.Model         = (*TP)(nil)
 	_ compute.DeviceSampler = (*TP)(nil)
+	_ compute.AsyncSampler  = (*TP)(nil)
 )
 
 // CommsFunc makes the communicators of ranks on GPUs devs, rank r
@@ -66,6 +68,7 @@ type TP struct {
 	lg     *zap.Logger
 	mu     sync.Mutex
 	closed bool
+	last   []compute.Sampled // tp > 1: the last StartSample pass's results (nil: failed, or none)
 }
 
 // NewTP loads m over o.Size ranks. opts apply to every rank (Device: the
@@ -219,6 +222,54 @@ func (t *TP) NewSamplerState(p sampling.Params, seed uint64, prompt []int32) (co
 // ForwardSample implements compute.DeviceSampler: rank 0 samples.
 func (t *TP) ForwardSample(ctx context.Context, seqs []compute.Seq, samp []compute.Sample, res []compute.Sampled) error {
 	return t.pass(ctx, seqs, nil, func(b *Backend) error { return b.ForwardSample(ctx, seqs, samp, res) })
+}
+
+// StartSample implements compute.AsyncSampler: one rank queues its passes
+// (Backend.StartSample); several run each pass to its end here, the tokens
+// taken from the pass before read from its results.
+func (t *TP) StartSample(ctx context.Context, seqs []compute.Seq, samp []compute.Sample, from []int) (compute.Pending, error) {
+	if len(t.ranks) == 1 {
+		return t.ranks[0].StartSample(ctx, seqs, samp, from)
+	}
+	if len(from) != 0 && len(from) != len(seqs) {
+		return nil, fmt.Errorf("cuda backend: %d token sources for %d seqs", len(from), len(seqs))
+	}
+	last := t.last
+	t.last = nil
+	in := seqs
+	for i, f := range from {
+		if f < 0 {
+			continue
+		}
+		if f >= len(last) || last[f].Token < 0 || len(seqs[i].Tokens) != 1 {
+			return nil, fmt.Errorf("cuda backend: seq %d takes its token from seq %d of the last pass, which sampled none", i, f)
+		}
+		if &in[0] == &seqs[0] {
+			in = slices.Clone(seqs)
+		}
+		in[i].Tokens = []int32{int32(last[f].Token)}
+	}
+	res := make([]compute.Sampled, len(seqs))
+	for i := range res {
+		res[i].Token = -1
+	}
+	if err := t.ForwardSample(ctx, in, samp, res); err != nil {
+		return nil, err
+	}
+	t.last = res
+	return donePass(res), nil
+}
+
+// donePass is a pass that ran to its end in StartSample.
+type donePass []compute.Sampled
+
+func (d donePass) Wait(res []compute.Sampled) error {
+	for i, r := range d {
+		if r.Token >= 0 {
+			res[i] = r
+		}
+	}
+	return nil
 }
 
 // pass runs one pass: lead on rank 0 (this goroutine), the same pass with
