@@ -982,33 +982,9 @@ __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c
 	}
 }
 
-#if G2_SINGLE
-// g2_fma1 is g2_fma for one row (the same operations on acc as g2_fma's
-// on acc0).
-template <bool NORM>
-__device__ __forceinline__ void g2_fma1(const g2_args &a, const bf16_t *xs, int c, uint4 wa, float *acc) {
-	float fa[8];
-	unpack8(wa, fa);
-#pragma unroll
-	for (int t = 0; t < GEMV_MAXN; t++) {
-		if (t < a.n) {
-			float xf[8];
-			if (NORM)
-				unpack8(*(const uint4 *)(xs + (long long)t * a.in + c * 8), xf);
-			else
-				load8(a.X + (long long)t * a.in + c * 8, xf);
-#pragma unroll
-			for (int e = 0; e < 8; e++) acc[t] = fmaf(fa[e], xf[e], acc[t]);
-		}
-	}
-}
-#endif
 
-// gemv2 over units of work. SINGLE (G2_PLAIN only, built with
-// -DG2_SINGLE=1: staged until measured on a GPU): a unit is one row, with 8
-// of its chunks in flight per lane, for GEMVs with fewer row pairs than the
-// GPU has resident warps; every row's sum is computed as in a pair.
-template <int MODE, bool NORM, bool SINGLE = false>
+// gemv2 over units of work (row pairs, or MODE's units).
+template <int MODE, bool NORM>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	extern __shared__ __align__(16) unsigned char g2_smem[];
 	__shared__ float red[32];
@@ -1022,7 +998,6 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	if (gw < units) {
 		int r0, r1;
 		g2_rows<MODE>(a, gw, r0, r1);
-		if (SINGLE) r0 = r1 = gw;
 		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
 #pragma unroll
 		for (int u4 = 0; u4 < 4; u4++) {
@@ -1036,30 +1011,6 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
 	for (int u = gw; u < units; u += nw) {
-#if G2_SINGLE
-		if (SINGLE) {
-			const bf16_t *w = a.W + (long long)u * a.in;
-			float acc[GEMV_MAXN];
-#pragma unroll
-			for (int t = 0; t < GEMV_MAXN; t++) acc[t] = 0.f;
-			int c = lane;
-			for (; c + 224 < nc; c += 256) {
-				uint4 wa[8];
-#pragma unroll
-				for (int u8 = 0; u8 < 8; u8++) wa[u8] = ldg_stream(w + (c + 32 * u8) * 8);
-#pragma unroll
-				for (int u8 = 0; u8 < 8; u8++) g2_fma1<NORM>(a, xs, c + 32 * u8, wa[u8], acc);
-			}
-			for (; c < nc; c += 32) g2_fma1<NORM>(a, xs, c, ldg_stream(w + c * 8), acc);
-#pragma unroll
-			for (int t = 0; t < GEMV_MAXN; t++)
-				for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-#pragma unroll
-			for (int t = 0; t < GEMV_MAXN; t++)
-				if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, u, -1, t, acc[t], 0.f);
-			continue;
-		}
-#endif
 		int r0, r1;
 		g2_rows<MODE>(a, u, r0, r1);
 		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
@@ -1100,15 +1051,6 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, c
 	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
-#if G2_SINGLE
-// gemv2_plain1: gemv2_plain over single rows (the same results).
-extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain1(float *Y, const bf16_t *X, const bf16_t *W,
-	int n, int out, int in, float beta) {
-	g2_args a = {};
-	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
-	gemv2<G2_PLAIN, false, true>(a, out);
-}
-#endif
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a
 // q/k-norm model's QKV, the MoE router); xo (or 0) gets the normalised rows.
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
@@ -1118,16 +1060,6 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, co
 	a.xo = xo;
 	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
 }
-#if G2_SINGLE
-// gemv2_norm1: gemv2_norm over single rows (the same results).
-extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm1(float *Y, const float *x, const float *normw,
-	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo) {
-	g2_args a = {};
-	a.W = W, a.x = x, a.normw = normw, a.rows = rows, a.Y = Y, a.n = n, a.out = out, a.in = in, a.vt = vt, a.eps = eps;
-	a.xo = xo;
-	gemv2<G2_PLAIN, true, true>(a, out);
-}
-#endif
 // gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
 // write (rope_kv's arguments, in = dim).
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkv(bf16_t *q, bf16_t *kc, bf16_t *vc, const float *x,

@@ -9,7 +9,8 @@
 # and, when bench serve has --shared-prefix-len, the prefix cache's figure:
 # 8 groups sharing a 2K prefix, radix cache on vs --disable-radix-cache.
 # One line per run; logs in $OUT. ONLY=prefix runs the prefix cache's pair
-# alone; NO_PREFIX=1 leaves it out.
+# alone; NO_PREFIX=1 leaves it out; ONLY=chunks runs the 1K-input pair at
+# each of CHUNKS' --chunked-prefill-size.
 set -u
 cd "$(dirname "$0")/../.."
 log=${OUT:-/tmp/serve9}
@@ -39,6 +40,13 @@ run() { # label serve-extra bench-args...
 	fi
 	kill $pid 2>/dev/null; wait $pid 2>/dev/null
 }
+if [ "${ONLY:-}" = chunks ]; then # CHUNKS="2048 8192": the 1K-input runs at each --chunked-prefill-size
+	for c in ${CHUNKS:-2048 8192}; do
+		run "in1k-c32-chunk$c" "--chunked-prefill-size $c" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
+		run "in1k-c128-chunk$c" "--chunked-prefill-size $c" --input-len 1024 --output-len 128 --concurrency 128 --num-prompts 256
+	done
+	exit 0
+fi
 if [ "${ONLY:-}" != prefix ]; then
 	run in1k-c32 "" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64
 	run in1k-c32-nograph "--disable-cuda-graph" --input-len 1024 --output-len 128 --concurrency 32 --num-prompts 64

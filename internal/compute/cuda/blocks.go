@@ -225,8 +225,8 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 	default:
 		if lp.fused && qkNorm {
 			// rmsnorm and the GEMV in one launch (rows null: every token).
-			f, units := b.g2For(b.fn.g2Norm, b.fn.g2Norm1, qd+2*kvd)
-			r.launchDep(f, b.g2Grid(f, units), cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
+			f := b.fn.g2Norm
+			r.launchDep(f, b.g2Grid(f, (qd+2*kvd+1)/2), cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
 				int32(n), int32(qd+2*kvd), int32(dim), lp.vt, c.NormEps, null)
 		} else {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
@@ -465,8 +465,8 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	null := cu.DevicePtr(0)
 	if lp.fused {
 		// rmsnorm and the router GEMV in one launch; its block 0 writes d.xb.
-		f, units := b.g2For(b.fn.g2Norm, b.fn.g2Norm1, stride)
-		r.launchDep(f, b.g2Grid(f, units), cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
+		f := b.fn.g2Norm
+		r.launchDep(f, b.g2Grid(f, (stride+1)/2), cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
 			int32(n), int32(stride), int32(dim), lp.vt, c.NormEps, d.xb)
 	} else {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(n)), cu.D1(rmsThreads(dim)), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)

@@ -36,10 +36,6 @@ type tuning struct {
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
-	// g2Single: G2_PLAIN GEMVs with fewer row pairs than resident warps run
-	// one row a warp (gemv2_plain1, gemv2_norm1, built with -DG2_SINGLE=1:
-	// the same results); staged, not yet run on a GPU
-	g2Single bool
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -83,7 +79,6 @@ type kernels struct {
 	// layer of at most gemvMax tokens (nil: separate kernels).
 	attnDecode2                    *cu.Function
 	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
-	g2Plain1, g2Norm1              *cu.Function         // single-row forms (tuning g2Single), or nil
 	g2Blocks                       map[*cu.Function]int // most blocks resident at once (the grid cap)
 	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
 	// blocks resident at once; skPart and skCnt: their split-K partial
@@ -198,9 +193,6 @@ func (b *Backend) loadKernels() error {
 	tu := b.opts.tune
 	fw := cmp.Or(tu.flashWarps, defaultFlashWarps)
 	v2 := append(append([]string{}, opts...), "-DMC_V2=1", fmt.Sprintf("-DFA2_WARPS=%d", max(fw, 4)))
-	if tu.g2Single {
-		v2 = append(v2, "-DG2_SINGLE=1")
-	}
 	key := strings.Join(v2, " ")
 	useV2 := !tu.noV2
 	if e, failed := v2Failed.Load(key); failed && useV2 {
@@ -372,18 +364,15 @@ func (b *Backend) loadFused() {
 	optin, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerBlockOptin)
 	smem := b.fusedSmem()
 	blocks := map[*cu.Function]int{}
-	var fns [6]*cu.Function
-	for i, name := range []string{"gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu", "gemv2_plain1", "gemv2_norm1"} {
-		if i >= 4 && !b.opts.tune.g2Single {
-			break
-		}
+	var fns [4]*cu.Function
+	for i, name := range []string{"gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu"} {
 		fn, err := b.mod.Function(name)
 		if err != nil {
 			b.lg.Warn("fused decode kernels off", zap.Error(err))
 			return
 		}
 		dyn := 0
-		if i > 0 && i != 4 {
+		if i > 0 {
 			dyn = smem
 			if dyn > 48<<10 {
 				if dyn > optin {
@@ -401,18 +390,8 @@ func (b *Backend) loadFused() {
 		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+dyn, smemPerSM)
 		fns[i] = fn
 	}
-	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU, f.g2Plain1, f.g2Norm1 = fns[0], fns[1], fns[2], fns[3], fns[4], fns[5]
+	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
 	f.g2Blocks = blocks
-}
-
-// g2For picks the pair form of a G2_PLAIN GEMV of out rows or, when there is
-// one, its single-row form where the pairs are fewer than the warps resident
-// at once; it returns the kernel and its units.
-func (b *Backend) g2For(pair, single *cu.Function, out int) (*cu.Function, int) {
-	if single != nil && (out+1)/2 < b.fn.g2Blocks[pair]*(g2Threads/32) {
-		return single, out
-	}
-	return pair, (out + 1) / 2
 }
 
 // fusedSmem is the dynamic shared memory of the normalising gemv2 kernels.
