@@ -66,6 +66,14 @@ type serveFlags struct {
 // maxTP bounds --tp-size.
 const maxTP = 64
 
+// cudaChunkedPrefill is --chunked-prefill-size's default on the cuda
+// backend. Measured on one H200 (llama3-8b shape, 1K prompts, 128 outputs,
+// docs/BENCHMARKS.md, 2026-12-02): 512 / 2048 / 8192 gave 2346 / 2383 /
+// 2406 tok/s at concurrency 32 and 3001 / 3291 / 3381 at 128, ITL p99 23-30
+// / 58-65 / 190-215 ms: 2048 takes most of the throughput for a third of
+// 8192's stalls.
+const cudaChunkedPrefill = 2048
+
 // gpuOnlyFlags are serve's flags that only the cuda backend uses.
 var gpuOnlyFlags = []string{"base-gpu-id", "mem-fraction-static", "disable-cuda-graph", "cuda-graph-max-bs", "disable-overlap-schedule"}
 
@@ -146,7 +154,7 @@ func newServeCmd(g *globals) *cobra.Command {
 	fl.IntVar(&f.maxRunning, "max-running-requests", 0, "requests in the running batch (default 64)")
 	fl.IntVar(&f.maxQueued, "max-queued-requests", engine.DefaultMaxQueue, "requests waiting for admission; beyond them requests get 503 with Retry-After")
 	fl.DurationVar(&f.readTimeout, "http-read-timeout", server.DefaultReadTimeout, "bound on reading an HTTP request, headers and body (not on its response)")
-	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, "prompt tokens per prefill step (default 512; -1 = unlimited)")
+	fl.IntVar(&f.chunked, "chunked-prefill-size", 0, fmt.Sprintf("prompt tokens per prefill step (default %d on cpu, %d on cuda; -1 = unlimited)", engine.DefaultChunkedPrefillSize, cudaChunkedPrefill))
 	fl.BoolVar(&f.noRadixCache, "disable-radix-cache", false, "do not cache finished requests' KV for reuse by later prompts with the same prefix")
 	fl.IntVar(&f.threads, "threads", 0, "CPU threads for the forward pass (default: all cores)")
 	fl.BoolVar(&f.disableCUDAGraph, "disable-cuda-graph", false, "run decode steps eagerly instead of replaying CUDA graphs (cuda)")
@@ -451,9 +459,13 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 		if !f.noRadixCache {
 			rcache = kvcache.NewRadix(rbe.pages, rbe.layout.PageSize)
 		}
+		chunked := f.chunked
+		if chunked == 0 && strings.HasPrefix(rbe.device, "cuda") {
+			chunked = cudaChunkedPrefill
+		}
 		reng, err := engine.New(engine.Config{
 			Model: rbe.model, Pages: rbe.pages, Cache: rcache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,
-			ChunkedPrefillSize: f.chunked, MaxQueueWait: f.maxQueueWait, MaxSeqLen: f.contextLength, DefaultSeed: f.seed, Logger: rlg, Registerer: rreg,
+			ChunkedPrefillSize: chunked, MaxQueueWait: f.maxQueueWait, MaxSeqLen: f.contextLength, DefaultSeed: f.seed, Logger: rlg, Registerer: rreg,
 			DisableOverlap: f.disableOverlap,
 		})
 		if err != nil {
