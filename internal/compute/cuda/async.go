@@ -61,11 +61,8 @@ func (b *Backend) StartSample(ctx context.Context, seqs []compute.Seq, samp []co
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.closed {
-		return nil, errors.New("cuda backend: closed")
-	}
-	if b.smp.err != nil {
-		return nil, fmt.Errorf("cuda backend: no device sampling: %w", b.smp.err)
+	if err := b.sampling(); err != nil {
+		return nil, err
 	}
 	if len(b.q.unread) >= 2 {
 		return nil, errors.New("cuda backend: two sampling passes are pending: wait for one first")

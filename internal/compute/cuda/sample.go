@@ -188,11 +188,8 @@ func (b *Backend) NewSamplerState(p sampling.Params, seed uint64, prompt []int32
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.closed {
-		return nil, errors.New("cuda backend: closed")
-	}
-	if b.smp.err != nil {
-		return nil, fmt.Errorf("cuda backend: no device sampling: %w", b.smp.err)
+	if err := b.sampling(); err != nil {
+		return nil, err
 	}
 	st := &samplerState{b: b, p: p, seed: seed}
 	if len(p.LogitBias) == 0 && !penalised(&p) && !repeats(&p) {
@@ -422,6 +419,17 @@ func (b *Backend) ForwardSample(ctx context.Context, seqs []compute.Seq, samp []
 		return err
 	}
 	return p.Wait(res)
+}
+
+// sampling reports why the backend cannot sample now (b.mu held).
+func (b *Backend) sampling() error {
+	if b.closed {
+		return errors.New("cuda backend: closed")
+	}
+	if b.smp.err != nil {
+		return fmt.Errorf("cuda backend: no device sampling: %w", b.smp.err)
+	}
+	return nil
 }
 
 // results reads the rows' SampleOut records into res.
