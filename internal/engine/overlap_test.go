@@ -243,17 +243,23 @@ func TestOverlapStops(t *testing.T) {
 // pages back; the engine keeps serving after the cancel.
 func TestOverlapAbortAndClose(t *testing.T) {
 	var a *asyncFake
-	te := startEngine(t, 128, 4, withAsync(&a, nil))
+	te := newTestEngine(t, 128, 4, withAsync(&a, nil))
+	gate := make(chan struct{}) // passes run only while fed: the long request cannot end first
+	te.fake.gate = gate
+	te.run(t)
 	ctx, cancel := context.WithCancel(context.Background())
 	long, err := te.Submit(ctx, &Request{InputIDs: ids("cancel me"), Params: SamplingParams{MaxNewTokens: 400, IgnoreEOS: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
+	stop := feed(gate)
 	short := te.generate(t, &Request{InputIDs: ids("beside it"), Params: SamplingParams{MaxNewTokens: 20, IgnoreEOS: true}})
+	close(stop)
 	if short.finish.Type != "length" || len(short.tokens) != 20 {
 		t.Fatalf("short request: %d tokens, finish %+v", len(short.tokens), short.finish)
 	}
 	cancel()
+	defer close(feed(gate))
 	if r := collect(t, long); r.finish.Type != "abort" || r.finish.OutputTokens == 0 {
 		t.Fatalf("cancelled request: finish %+v", r.finish)
 	}
@@ -268,8 +274,8 @@ func TestOverlapAbortAndClose(t *testing.T) {
 	// Close while passes are queued (the loop held in one by the gate).
 	var a2 *asyncFake
 	te2 := newTestEngine(t, 128, 4, withAsync(&a2, nil))
-	gate := make(chan struct{})
-	te2.fake.gate = gate
+	gate2 := make(chan struct{})
+	te2.fake.gate = gate2
 	te2.run(t)
 	var chs []<-chan Event
 	for i := range 4 {
@@ -281,7 +287,7 @@ func TestOverlapAbortAndClose(t *testing.T) {
 		chs = append(chs, ch)
 	}
 	for range 30 {
-		gate <- struct{}{}
+		gate2 <- struct{}{}
 	}
 	te2.Close()
 	for i, ch := range chs {
