@@ -826,9 +826,6 @@ extern "C" __global__ void __launch_bounds__(256) gemv_tout(bf16_t *Y, const bf1
 // lane sums its chunks lane, lane+32, ... in order, as gemv_rows does.
 // Block G2_THREADS threads; in % 8 == 0.
 #define G2_THREADS 256
-#ifndef G2_RING
-#define G2_RING 0 // > 0: weights through a cp.async ring of that many chunk pairs per lane (tuning g2Ring)
-#endif
 #define G2_PLAIN 0
 #define G2_ROPE 1
 #define G2_SILU 2
@@ -1013,78 +1010,6 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	}
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
-#if G2_RING
-	// The weights stream through a ring of G2_RING chunk pairs per lane in
-	// shared memory (cp.async), across the warp's units back to back: the
-	// loads of the next unit are in flight while this one finishes. Each
-	// lane reads only its own slots; its chunks and sums are the loop's
-	// below, in the same order.
-	uint4 *ring = (uint4 *)(g2_smem + (NORM ? ((a.n * a.in * 2 + 15) & ~15) : 0)) + (threadIdx.x >> 5) * (G2_RING * 64) + lane;
-	int K = lane < nc ? (nc - 1 - lane) / 32 + 1 : 0; // this lane's chunks of a unit
-	int pu = gw, pk = 0;
-	const bf16_t *p0 = 0, *p1 = 0;
-	if (pu < units) {
-		int r0, r1;
-		g2_rows<MODE>(a, pu, r0, r1);
-		p0 = a.W + (long long)r0 * a.in, p1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
-	}
-	int ps = 0, cs = 0;
-	// g2_issue: the producer's next chunk pair into slot ps, then one commit
-	// (empty past the end, so that G2_RING - 1 groups stay younger than
-	// the one consumed).
-#define g2_issue()                                                                                                 \
-	do {                                                                                                           \
-		if (pu < units && K > 0) {                                                                                 \
-			int c_ = lane + 32 * pk;                                                                               \
-			asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(ring + (ps * 2) * 32)),       \
-				"l"(p0 + c_ * 8)                                                                                   \
-				: "memory");                                                                                       \
-			asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(ring + (ps * 2 + 1) * 32)),   \
-				"l"(p1 + c_ * 8)                                                                                   \
-				: "memory");                                                                                       \
-			ps = ps + 1 == G2_RING ? 0 : ps + 1;                                                                   \
-			if (++pk == K) {                                                                                       \
-				pk = 0;                                                                                            \
-				pu += nw;                                                                                          \
-				if (pu < units) {                                                                                  \
-					int r0_, r1_;                                                                                  \
-					g2_rows<MODE>(a, pu, r0_, r1_);                                                                \
-					p0 = a.W + (long long)r0_ * a.in, p1 = a.W + (long long)(r1_ < 0 ? r0_ : r1_) * a.in;          \
-				}                                                                                                  \
-			}                                                                                                      \
-		}                                                                                                          \
-		asm volatile("cp.async.commit_group;\n" ::: "memory");                                                    \
-	} while (0)
-#pragma unroll
-	for (int s = 0; s < G2_RING; s++) g2_issue();
-	for (int u = gw; u < units; u += nw) {
-		int r0, r1;
-		g2_rows<MODE>(a, u, r0, r1);
-		float acc0[GEMV_MAXN], acc1[GEMV_MAXN];
-#pragma unroll
-		for (int t = 0; t < GEMV_MAXN; t++) acc0[t] = acc1[t] = 0.f;
-		for (int k = 0; k < K; k++) {
-			asm volatile("cp.async.wait_group %0;\n" ::"n"(G2_RING - 1) : "memory");
-			uint4 wa = ring[(cs * 2) * 32], wb = ring[(cs * 2 + 1) * 32];
-			g2_fma<NORM>(a, xs, lane + 32 * k, wa, wb, acc0, acc1);
-			cs = cs + 1 == G2_RING ? 0 : cs + 1;
-			g2_issue(); // into the slot just read (ps trails cs by the ring)
-		}
-#pragma unroll
-		for (int t = 0; t < GEMV_MAXN; t++) {
-			for (int o = 16; o > 0; o >>= 1) {
-				acc0[t] += __shfl_xor_sync(0xffffffffu, acc0[t], o);
-				acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], o);
-			}
-		}
-#pragma unroll
-		for (int t = 0; t < GEMV_MAXN; t++)
-			if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, r0, r1, t, acc0[t], acc1[t]);
-	}
-	asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-#undef g2_issue
-	return;
-#endif
 	for (int u = gw; u < units; u += nw) {
 		int r0, r1;
 		g2_rows<MODE>(a, u, r0, r1);

@@ -269,7 +269,7 @@ func TestBenchGraph8B(t *testing.T) {
 	for _, v := range []struct {
 		name string
 		tu   tuning
-	}{{"new", tuning{}}, {"new-notc", tuning{noTC: true}}, {"new-tcnarrow", tuning{tcNarrow: true}}, {"new+pdl", tuning{pdl: true}}, {"new-ring4", tuning{g2Ring: 4}}, {"new-ring8", tuning{g2Ring: 8}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
+	}{{"new", tuning{}}, {"new-notc", tuning{noTC: true}}, {"new-tcnarrow", tuning{tcNarrow: true}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
 		{"new-nofused", tuning{noFused: true}},
 		{"old", tuning{noFused: true, decodeV1: true}}} {
 		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {

@@ -211,7 +211,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 	switch {
 	case lp.fused && !qkNorm:
 		f := b.fn.g2QKV
-		r.launchDep(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), lp.xsmem+b.fn.g2Ring, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
+		r.launchDep(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), lp.xsmem, d.q, kc, vc, d.x, w.attnNorm, w.wqkv, w.bqkv,
 			lp.meta(p.pos), lp.slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), lp.vt, c.NormEps,
 			int32(c.Heads), int32(c.KVHeads), lp.interleaved)
 	case lp.sk && b.fn.skQKV != nil && !qkNorm:
@@ -226,7 +226,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		if lp.fused && qkNorm {
 			// rmsnorm and the GEMV in one launch (rows null: every token).
 			f := b.fn.g2Norm
-			r.launchDep(f, b.g2Grid(f, (qd+2*kvd+1)/2), cu.D1(g2Threads), lp.xsmem+b.fn.g2Ring, d.qkv, d.x, w.attnNorm, null, w.wqkv,
+			r.launchDep(f, b.g2Grid(f, (qd+2*kvd+1)/2), cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
 				int32(n), int32(qd+2*kvd), int32(dim), lp.vt, c.NormEps, null)
 		} else {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
@@ -324,7 +324,7 @@ func (b *Backend) denseMLP(lp *layerPass, w *devLayer) {
 	switch {
 	case lp.fused:
 		f := b.fn.g2SiLU
-		r.launchDep(f, b.g2Grid(f, hid), cu.D1(g2Threads), lp.xsmem+b.fn.g2Ring, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
+		r.launchDep(f, b.g2Grid(f, hid), cu.D1(g2Threads), lp.xsmem, d.h, d.x, w.ffnNorm, w.w13, int32(n), int32(hid),
 			int32(dim), lp.vt, c.NormEps)
 	case lp.sk && b.fn.skSiLU != nil:
 		r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
@@ -466,7 +466,7 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	if lp.fused {
 		// rmsnorm and the router GEMV in one launch; its block 0 writes d.xb.
 		f := b.fn.g2Norm
-		r.launchDep(f, b.g2Grid(f, (stride+1)/2), cu.D1(g2Threads), lp.xsmem+b.fn.g2Ring, m.logits.p, d.x, w.ffnNorm, null, mw.router,
+		r.launchDep(f, b.g2Grid(f, (stride+1)/2), cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
 			int32(n), int32(stride), int32(dim), lp.vt, c.NormEps, d.xb)
 	} else {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(n)), cu.D1(rmsThreads(dim)), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)

@@ -17,8 +17,7 @@ import (
 // order); all the new kernels together must stay near them (with the 4- and
 // 8-warp attention), and give the same bits with attn_combine instead of
 // attn_decode2's own merge and launched with programmatic dependent launch; the
-// defaults (attn_decode_tc at head dim 128) stay near them too, and give the
-// same bits with the gemv2 weights streamed through a cp.async ring. Shapes: head dims 8 to 128,
+// defaults (attn_decode_tc at head dim 128) stay near them too. Shapes: head dims 8 to 128,
 // interleaved and half-split RoPE, QKV bias, tied embeddings, hidden sizes
 // that the GEMV cannot read (172), per-head q/k norms (tiny-qwen3: the old
 // kernels run qk_norm and rope_kv, the others qk_norm_rope, and the fused
@@ -59,10 +58,6 @@ func TestFusedDecode(t *testing.T) {
 			pdl := mk(tuning{skinnyMax: skMaxN, fuseCombine: true, pdl: true})
 			w8 := mk(tuning{decode2W8: true})
 			tc := mk(tuning{}) // the defaults: attn_decode_tc where it suits the shape
-			ring := mk(tuning{g2Ring: 6})
-			if ring.fn.g2Ring == 0 || ring.fn.g2QKV == nil {
-				t.Fatalf("gemv2 weight ring not loaded (v2: %v)", ring.fn.v2Err)
-			}
 			if m.Config.HeadDim == 128 && tc.fn.attnTC == nil {
 				t.Errorf("attn_decode_tc not loaded")
 			}
@@ -87,7 +82,7 @@ func TestFusedDecode(t *testing.T) {
 			if m.Config.Heads/m.Config.KVHeads <= 4 && !hasW8 {
 				t.Errorf("attn_decode2_w8 not loaded")
 			}
-			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc, ring}
+			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc}
 			r := newRand(uint64(len(sh.name)))
 			base := 0
 			for _, n := range groups {
@@ -104,7 +99,6 @@ func TestFusedDecode(t *testing.T) {
 				}
 				exact("fused GEMVs vs separate kernels", 0, 1)
 				exact("attn_decode2 merging its splits vs attn_combine", 2, 3)
-				exact("gemv2 weights through the cp.async ring vs loaded to registers", 6, 7)
 				if pdl.fn.pdl {
 					exact("programmatic launches vs plain ones", 2, 4)
 				}

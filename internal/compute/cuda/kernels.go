@@ -36,10 +36,6 @@ type tuning struct {
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
-	// g2Ring > 0: the gemv2 kernels stream their weights through a cp.async
-	// ring of that many chunk pairs per lane in shared memory (-DG2_RING;
-	// the same sums)
-	g2Ring int
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
@@ -83,7 +79,6 @@ type kernels struct {
 	// layer of at most gemvMax tokens (nil: separate kernels).
 	attnDecode2                    *cu.Function
 	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
-	g2Ring                         uint32               // dynamic shared memory of their weight ring (tuning g2Ring), added to x's
 	g2Blocks                       map[*cu.Function]int // most blocks resident at once (the grid cap)
 	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
 	// blocks resident at once; skPart and skCnt: their split-K partial
@@ -198,9 +193,6 @@ func (b *Backend) loadKernels() error {
 	tu := b.opts.tune
 	fw := cmp.Or(tu.flashWarps, defaultFlashWarps)
 	v2 := append(append([]string{}, opts...), "-DMC_V2=1", fmt.Sprintf("-DFA2_WARPS=%d", max(fw, 4)))
-	if tu.g2Ring > 0 {
-		v2 = append(v2, fmt.Sprintf("-DG2_RING=%d", tu.g2Ring))
-	}
 	key := strings.Join(v2, " ")
 	useV2 := !tu.noV2
 	if e, failed := v2Failed.Load(key); failed && useV2 {
@@ -371,7 +363,6 @@ func (b *Backend) loadFused() {
 	smemPerSM, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerSM)
 	optin, _ := b.dev.Attribute(cu.AttrMaxSharedMemoryPerBlockOptin)
 	smem := b.fusedSmem()
-	ring := b.opts.tune.g2Ring * (g2Threads / 32) * 32 * 2 * 16 // per warp: slots x 2 rows x 32 lanes x 16 B
 	blocks := map[*cu.Function]int{}
 	var fns [4]*cu.Function
 	for i, name := range []string{"gemv2_plain", "gemv2_norm", "gemv2_qkv", "gemv2_silu"} {
@@ -380,18 +371,18 @@ func (b *Backend) loadFused() {
 			b.lg.Warn("fused decode kernels off", zap.Error(err))
 			return
 		}
-		dyn := ring
+		dyn := 0
 		if i > 0 {
-			dyn += smem
-		}
-		if dyn > 48<<10 {
-			if dyn > optin {
-				b.lg.Warn("fused decode kernels off: x does not fit in shared memory", zap.Int("bytes", dyn), zap.Int("max", optin))
-				return
-			}
-			if err := fn.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, dyn); err != nil {
-				b.lg.Warn("fused decode kernels off: no room for their shared memory", zap.Error(err))
-				return
+			dyn = smem
+			if dyn > 48<<10 {
+				if dyn > optin {
+					b.lg.Warn("fused decode kernels off: x does not fit in shared memory", zap.Int("bytes", dyn), zap.Int("max", optin))
+					return
+				}
+				if err := fn.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, dyn); err != nil {
+					b.lg.Warn("fused decode kernels off: no room for their shared memory", zap.Error(err))
+					return
+				}
 			}
 		}
 		regs, _ := fn.Attribute(cu.FuncAttrNumRegs)
@@ -400,7 +391,6 @@ func (b *Backend) loadFused() {
 		fns[i] = fn
 	}
 	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
-	f.g2Ring = uint32(ring)
 	f.g2Blocks = blocks
 }
 
