@@ -845,6 +845,7 @@ struct g2_args {
 	bf16_t *h;            // G2_SILU
 	bf16_t *xo;           // NORM: block 0 also writes the normalised rows here, or 0
 	int n, out, in, vt, ntab, nheads, nkv, interleaved;
+	int stage; // !NORM: X is first copied to shared memory ([n][in], n*in*2 bytes dynamic)
 	float beta, eps;
 };
 
@@ -970,7 +971,7 @@ __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c
 	for (int t = 0; t < GEMV_MAXN; t++) {
 		if (t < a.n) {
 			float xf[8];
-			if (NORM)
+			if (NORM || a.stage)
 				unpack8(*(const uint4 *)(xs + (long long)t * a.in + c * 8), xf);
 			else
 				load8(a.X + (long long)t * a.in + c * 8, xf);
@@ -1010,6 +1011,12 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	}
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
+	if (!NORM && a.stage) {
+		// X read from shared memory, not as an L2 round trip that each
+		// chunk's FMAs wait for after its weights arrive.
+		for (int i = threadIdx.x; i < a.n * nc; i += G2_THREADS) ((uint4 *)xs)[i] = ((const uint4 *)a.X)[i];
+		__syncthreads();
+	}
 	for (int u = gw; u < units; u += nw) {
 		int r0, r1;
 		g2_rows<MODE>(a, u, r0, r1);
@@ -1044,11 +1051,12 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	}
 }
 
-// gemv2_plain: Y[t] (f32) = X[t] . W^T + beta*Y[t], X in global memory (wo, w2).
+// gemv2_plain: Y[t] (f32) = X[t] . W^T + beta*Y[t], X in global memory (wo,
+// w2), copied to shared memory first when stage (n*in*2 bytes dynamic).
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, const bf16_t *X, const bf16_t *W,
-	int n, int out, int in, float beta) {
+	int n, int out, int in, float beta, int stage) {
 	g2_args a = {};
-	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta;
+	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.stage = stage;
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a

@@ -345,7 +345,8 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 	}
 	if yF32 && b.fused(n) && in%8 == 0 {
 		f := b.fn.g2Plain
-		r.launchDep(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), 0, y, x, w, int32(n), int32(out), int32(in), beta)
+		xb, stage := g2Stage(n, in)
+		r.launchDep(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), xb, y, x, w, int32(n), int32(out), int32(in), beta, stage)
 		return
 	}
 	if !b.opts.BatchInvariant && n <= b.fn.gemvMax && b.fn.gemvF32 != nil && in%8 == 0 {

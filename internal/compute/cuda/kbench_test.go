@@ -355,8 +355,9 @@ func (k *kbench) gemvs() {
 				k.launch(gemvOld, gemvGrid(m.outRows), cu.D1(256), 0, y[0], m.X, m.pick(&b.w.layers[i%L]), n32, int32(m.outRows), int32(m.in), float32(1))
 			}
 			nw := func(i int) {
-				k.launch(f.g2Plain, b.g2Grid(f.g2Plain, (m.outRows+1)/2), cu.D1(g2Threads), 0, y[1], m.X, m.pick(&b.w.layers[i%L]),
-					n32, int32(m.outRows), int32(m.in), float32(1))
+				xb, stage := g2Stage(n, m.in)
+				k.launch(f.g2Plain, b.g2Grid(f.g2Plain, (m.outRows+1)/2), cu.D1(g2Threads), xb, y[1], m.X, m.pick(&b.w.layers[i%L]),
+					n32, int32(m.outRows), int32(m.in), float32(1), stage)
 			}
 			o(0)
 			nw(0)

@@ -371,7 +371,7 @@ func (b *Backend) loadFused() {
 			b.lg.Warn("fused decode kernels off", zap.Error(err))
 			return
 		}
-		dyn := 0
+		dyn := g2StageMax // gemv2_plain's staged X, at most
 		if i > 0 {
 			dyn = smem
 			if dyn > 48<<10 {
@@ -392,6 +392,19 @@ func (b *Backend) loadFused() {
 	}
 	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
 	f.g2Blocks = blocks
+}
+
+// g2StageMax is the most X bytes gemv2_plain copies to shared memory
+// (wo at 4 tokens, down at 1; larger X is read from global memory).
+const g2StageMax = 32 << 10
+
+// g2Stage is gemv2_plain's dynamic shared memory and stage flag for n
+// tokens of in elements.
+func g2Stage(n, in int) (uint32, int32) {
+	if xb := n * in * 2; xb <= g2StageMax {
+		return uint32(xb), 1
+	}
+	return 0, 0
 }
 
 // fusedSmem is the dynamic shared memory of the normalising gemv2 kernels.
