@@ -271,6 +271,9 @@ func (p *pending) Wait(res []compute.Sampled) error {
 	if p.waited {
 		return errors.New("cuda backend: sampling pass waited for twice")
 	}
+	if b.closed {
+		return errors.New("cuda backend: closed with the sampling pass pending")
+	}
 	if len(b.q.unread) == 0 || b.q.unread[0] != p {
 		return errors.New("cuda backend: sampling passes waited for out of order")
 	}
