@@ -460,8 +460,14 @@ func runServe(ctx context.Context, f *serveFlags, lg *zap.Logger, out io.Writer)
 			rcache = kvcache.NewRadix(rbe.pages, rbe.layout.PageSize)
 		}
 		chunked := f.chunked
-		if chunked == 0 && strings.HasPrefix(rbe.device, "cuda") {
-			chunked = cudaChunkedPrefill
+		if chunked == 0 {
+			chunked = engine.DefaultChunkedPrefillSize
+			if strings.HasPrefix(rbe.device, "cuda") {
+				chunked = cudaChunkedPrefill
+			}
+		}
+		if i == 0 && f.args != nil {
+			f.args["chunked_prefill_size"] = int64(chunked) // the size in use, as SGLang reports it
 		}
 		reng, err := engine.New(engine.Config{
 			Model: rbe.model, Pages: rbe.pages, Cache: rcache, Tokenizer: tok, MaxRunningRequests: f.maxRunning, MaxQueue: f.maxQueued,

@@ -174,7 +174,8 @@ func TestSGLangFlagsProcess(t *testing.T) {
 	if err := json.Unmarshal([]byte(body), &args); st != 200 || err != nil {
 		t.Fatalf("get_server_args: %d %v %s", st, err, body)
 	}
-	if args["context_length"] != float64(256) || args["tp_size"] != float64(1) || args["disable_radix_cache"] != true {
+	if args["context_length"] != float64(256) || args["tp_size"] != float64(1) || args["disable_radix_cache"] != true ||
+		args["chunked_prefill_size"] != float64(512) || args["disable_overlap_schedule"] != false {
 		t.Errorf("get_server_args: %s", body)
 	}
 	for _, f := range []string{"--trust-remote-code", "--watchdog-timeout", "--decode-log-interval", "--cuda-graph-bs"} {
