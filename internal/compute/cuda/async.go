@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
@@ -189,7 +190,8 @@ func (q *queue) resolve(seqs []compute.Seq, prev []int32, onHost bool) ([]comput
 	}
 	h := q.last.b.smp.hostOut[q.last.job.slot].Bytes()
 	q.seqs = append(q.seqs[:0], seqs...)
-	q.toks = append(q.toks[:0], make([]int32, len(seqs))...)
+	q.toks = slices.Grow(q.toks[:0], len(seqs))[:len(seqs)] // no allocation a step
+	clear(q.toks)
 	for i, r := range prev {
 		if r < 0 {
 			continue

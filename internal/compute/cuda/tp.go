@@ -68,7 +68,8 @@ type TP struct {
 	lg     *zap.Logger
 	mu     sync.Mutex
 	closed bool
-	last   []compute.Sampled // tp > 1: the last StartSample pass's results (nil: failed, or none)
+	lastMu sync.Mutex
+	last   []compute.Sampled // tp > 1: the last StartSample pass's results (nil: failed, or none); lastMu
 }
 
 // NewTP loads m over o.Size ranks. opts apply to every rank (Device: the
@@ -234,6 +235,8 @@ func (t *TP) StartSample(ctx context.Context, seqs []compute.Seq, samp []compute
 	if len(from) != 0 && len(from) != len(seqs) {
 		return nil, fmt.Errorf("cuda backend: %d token sources for %d seqs", len(from), len(seqs))
 	}
+	t.lastMu.Lock()
+	defer t.lastMu.Unlock()
 	last := t.last
 	t.last = nil
 	in := seqs
