@@ -17,7 +17,10 @@
 #           libibverbs and no HCA: the start-up error
 #   profile ncu over TestProfile8B at PROFILE_SHAPE (qwen3-30b-a3b): kernel
 #           time by kernel of one eager decode step at each of PROFILE_BATCHES
-#           (1 32); PROFILE_TIMEOUT (120 s)
+#           (1 32), and a 4K prefill with PROFILE_PREFILL=1; PROFILE_TIMEOUT (120 s)
+#   detail  ncu's full sections over DETAIL_COUNT (1) launches of the kernels
+#           matching DETAIL_KERNEL (regex) in TestProfile8B at PROFILE_SHAPE,
+#           PROFILE_BATCHES and PROFILE_PREFILL
 #   peak    host memory while loading a bf16 HF directory (qwen3-30b-a3b-8l,
 #           convert --random) onto the GPU: TestLoadPeakHF
 #   kprof   ncu (memory, stalls, occupancy) over single kernels of TestKernelBench8B:
@@ -76,7 +79,7 @@ if want vram && left 130 vram; then
 fi
 if want profile && left 120 profile; then
 	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=0 MOONCAKE_BENCH_SHAPE=${PROFILE_SHAPE:-qwen3-30b-a3b} \
+	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=${PROFILE_PREFILL:-0} MOONCAKE_BENCH_SHAPE=${PROFILE_SHAPE:-qwen3-30b-a3b} \
 		MOONCAKE_PROFILE_BATCHES="${PROFILE_BATCHES:-1 32}" timeout ${PROFILE_TIMEOUT:-120} \
 		$NCU --clock-control none --metrics gpu__time_duration.sum,launch__grid_size -f -o "$w/prof" "$w/internal.compute.cuda.test" -test.run 'TestProfile8B$') >"$O/ncu.log" 2>&1
 	log "ncu rc $? $(tail -1 "$O/ncu.log" | cut -c1-200)"
@@ -105,6 +108,14 @@ for ph, ks in acc.items():
     for k, v in sorted(ks.items(), key=lambda x: -x[1][1])[:22]:
         print(f'  {v[1]*sc:8.3f} ms {100*v[1]/tot:5.1f}% {v[0]:5d}x {1000*v[1]*sc/v[0]:7.2f} us/launch {k}')
 PY
+fi
+if want detail && [ -n "${DETAIL_KERNEL:-}" ] && left 120 detail; then
+	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=${PROFILE_PREFILL:-0} MOONCAKE_BENCH_SHAPE=${PROFILE_SHAPE:-qwen3-30b-a3b} \
+		MOONCAKE_PROFILE_BATCHES="${PROFILE_BATCHES:-1}" timeout ${PROFILE_TIMEOUT:-120} \
+		$NCU --clock-control none -k "regex:$DETAIL_KERNEL" -c ${DETAIL_COUNT:-1} --set full "$w/internal.compute.cuda.test" -test.run 'TestProfile8B$') >"$O/detail.log" 2>&1
+	log "ncu detail $DETAIL_KERNEL rc $?"
+	grep -vE '^\s*$|^==PROF==|----' "$O/detail.log" | grep -E 'Duration|Throughput|Pipe|Eligible|Warp Cycles|Issued|Occupancy|Registers|Shared Memory|Stall|Bank|L1|L2|DRAM|Block Size|Grid Size|Waves|Executed Ipc|OPT|est' | cut -c1-200 | head -90 | tee -a "$O/run.log"
 fi
 if want graph && left ${GRAPH_TIMEOUT:-150} graph; then
 	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=${VARIANTS:-new} \

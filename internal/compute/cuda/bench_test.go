@@ -101,7 +101,7 @@ func TestBench8B(t *testing.T) {
 		tu   tuning
 	}{
 		{"v2", tuning{}},
-		{"v2-flash4warps", tuning{flashWarps: 4}},
+		{"v2-fa2", tuning{flashV2: true}},
 		{"v2-cublas-decode", tuning{gemvMax: -1}},
 		{"v1", tuning{noV2: true, split: 256}},
 	} {
@@ -144,7 +144,7 @@ func benchOn(t *testing.T, b *Backend, cfg model.Config) []string {
 	if b.fn.v2Err != nil {
 		t.Logf("second-generation kernels not used: %v", b.fn.v2Err)
 	}
-	t.Logf("kernels: flash2 %v (%d warps), decode2 %v, decode %v, gemv<=%d %v, fused %v", b.fn.attnFlash2 != nil, b.fn.flash2Warps,
+	t.Logf("kernels: flash2 %v (%d warps), decode2 %v, decode %v, gemv<=%d %v, fused %v", b.fn.attnFlash2 != nil, b.fn.flash2Threads/32,
 		b.fn.attnDecode2 != nil, b.fn.attnDecode != nil, b.fn.gemvMax, b.fn.gemvF32 != nil, b.fn.g2QKV != nil)
 	for _, f := range []*cu.Function{b.fn.attnFlash, b.fn.attnFlash2, b.fn.attnSplit, b.fn.attnDecode, b.fn.attnDecode2,
 		b.fn.gemvF32, b.fn.g2QKV, b.fn.g2SiLU, b.fn.ropeKV, b.fn.gemmF32} {

@@ -262,10 +262,16 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 			return fmt.Errorf("cuda backend: layer %d: %w", li, err)
 		}
 	}
-	if p.np > 0 && b.fn.attnFlash2 != nil {
-		bq := 16 * b.fn.flash2Warps
-		r.launch(b.fn.attnFlash2, cu.Dim3{X: uint32((p.maxPrefill + bq - 1) / bq), Y: uint32(c.Heads), Z: uint32(p.np)},
-			cu.D1(uint32(32*b.fn.flash2Warps)), uint32(b.fn.flash2Smem), d.att, d.q, kc, vc, lp.meta(p.pStart), lp.meta(p.pLen),
+	if f := &b.fn; p.np > 0 && f.attnFlash2 != nil {
+		fn, rows, smem := f.attnFlash2, f.flash2Rows, f.flash2Smem
+		if tiles := ceilDiv(p.maxPrefill, rows); f.flash64 != nil && tiles*c.Heads*p.np < f.flash64Below {
+			fn, rows, smem = f.flash64, 64, f.flash64Smem
+		}
+		grid := cu.Dim3{X: uint32(ceilDiv(p.maxPrefill, rows)), Y: uint32(c.Heads), Z: uint32(p.np)}
+		if f.flash2HeadsX {
+			grid.X, grid.Y = grid.Y, grid.X
+		}
+		r.launch(fn, grid, cu.D1(uint32(f.flash2Threads)), uint32(smem), d.att, d.q, kc, vc, lp.meta(p.pStart), lp.meta(p.pLen),
 			lp.meta(p.pPos0), lp.meta(p.pPtoff), lp.meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads),
 			lp.scaleLog2)
 	} else if p.np > 0 {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"unsafe"
@@ -76,7 +77,7 @@ func TestKernelBench8B(t *testing.T) {
 	for _, p := range []struct {
 		name string
 		run  func()
-	}{{"gemvs", kb.gemvs}, {"skinny", kb.skinny}, {"small", kb.smallKernels}, {"attention", kb.attention}} {
+	}{{"gemvs", kb.gemvs}, {"skinny", kb.skinny}, {"small", kb.smallKernels}, {"attention", kb.attention}, {"prefill", kb.prefill}} {
 		if parts == "" || slices.Contains(strings.Split(parts, ","), p.name) {
 			p.run()
 		}
@@ -760,6 +761,108 @@ func (k *kbench) attention() {
 		pc := func(i int) float64 { _, p := k.gbs(kvBytes, us[i]); return p }
 		k.add("| attention | %d | %d | %.1f | %.1f | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f (%.0f%%) | %.1f | %s|",
 			cs.bs, cs.ctx, floorUS, us[0], us[1], pc(1), us[2], pc(2), us[3], pc(3), us[4], pc(4), us[5], pc(5), cus, verdict)
+	}
+}
+
+// prefill times the flash prefill attention of one layer (one sequence, no
+// cached prefix) at 1K..8K tokens (MOONCAKE_KBENCH_PREFILL, e.g.
+// "2048,16384", picks others): attn_prefill3 of 128-row and of 64-row tiles
+// against llama.cu's attn_prefill2, in TFLOP/s counted over the causal half
+// (4 x head dim x heads x L(L+1)/2), and checks that they agree.
+func (k *kbench) prefill() {
+	b := k.b
+	c := &b.cfg
+	f := &b.fn
+	hd, qd, kvd := c.HeadDim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
+	if f.attnFlash2 == nil || f.flash2Rows != 128 || !f.flash2HeadsX || f.flash64 == nil {
+		k.fail("attn_prefill3 not loaded (flash rows %d, heads on x %v, 64-row kernel %v)", f.flash2Rows, f.flash2HeadsX,
+			f.flash64 != nil)
+		return
+	}
+	p2 := k.fn("attn_prefill2") // 8 warps: its shared-memory attribute was raised at load
+	const ps = 64
+	lens := []int{1024, 2048, 4096, 8192}
+	if v := os.Getenv("MOONCAKE_KBENCH_PREFILL"); v != "" {
+		lens = lens[:0]
+		for _, x := range strings.Split(v, ",") {
+			n, err := strconv.Atoi(x)
+			if err != nil || n < 1 || n > 65536 {
+				k.t.Fatalf("MOONCAKE_KBENCH_PREFILL: %q is not a length in 1..65536", x)
+			}
+			lens = append(lens, n)
+		}
+	}
+	maxL := slices.Max(lens)
+	npg := ceilDiv(maxL, ps)
+	kc, vc := k.alloc(uint64(npg*ps*kvd*2)), k.alloc(uint64(npg*ps*kvd*2))
+	k.randT(kc, uint64(npg*ps*kvd), 51, 1)
+	k.randT(vc, uint64(npg*ps*kvd), 52, 1)
+	q := k.alloc(uint64(maxL * qd * 2))
+	k.randT(q, uint64(maxL*qd), 53, 1)
+	var out [3]cu.DevicePtr
+	for i := range out {
+		out[i] = k.alloc(uint64(maxL * qd * 2))
+	}
+	qstart, qlen, pos0, ptoff, pages := k.alloc(4), k.alloc(4), k.alloc(4), k.alloc(4), k.alloc(uint64(npg*4))
+	k.put(qstart, []int32{0})
+	k.put(pos0, []int32{0})
+	k.put(ptoff, []int32{0})
+	pg := make([]int32, npg)
+	for i, v := range rand.New(rand.NewPCG(5, 5)).Perm(npg) {
+		pg[i] = int32(v)
+	}
+	k.put(pages, pg)
+	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
+	k.add("")
+	k.add("| flash prefill, one layer | tokens | attn_prefill2 us (TFLOP/s) | attn_prefill3 us (TFLOP/s) | attn_prefill3_64 us (TFLOP/s) | vs attn_prefill2 |")
+	k.add("| --- | --- | --- | --- | --- | --- |")
+	for _, L := range lens {
+		k.put(qlen, []int32{int32(L)})
+		args := func(o cu.DevicePtr) []any {
+			return []any{o, q, kc, vc, qstart, qlen, pos0, ptoff, pages, int32(ps), int32(c.Heads), int32(c.KVHeads), scaleLog2}
+		}
+		heads := uint32(c.Heads)
+		run := [3]func(int){
+			func(int) {
+				k.launch(p2, cu.Dim3{X: uint32(ceilDiv(L, 128)), Y: heads, Z: 1}, cu.D1(256), uint32(2*2*64*(hd+8)*2), args(out[0])...)
+			},
+			func(int) {
+				k.launch(f.attnFlash2, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 128)), Z: 1}, cu.D1(128), uint32(f.flash2Smem), args(out[1])...)
+			},
+			func(int) {
+				k.launch(f.flash64, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 64)), Z: 1}, cu.D1(128), uint32(f.flash64Smem), args(out[2])...)
+			},
+		}
+		var got [3][]float32
+		for i := range run {
+			if err := b.stream.MemsetD8(out[i], 0xff, uint64(L*qd*2)); err != nil { // bf16 NaN: unwritten rows show
+				k.t.Fatal(err)
+			}
+			run[i](0)
+			got[i] = bf16s(k.get(out[i], uint64(L*qd*2)))
+		}
+		verdict := ""
+		for i := 1; i < 3; i++ {
+			nan := 0
+			for _, v := range got[i] {
+				if v != v {
+					nan++
+				}
+			}
+			e := relErr(got[i], got[0])
+			if !(e < 1e-2) || nan > 0 {
+				k.fail("prefill %d tokens: kernel %d rel err %.3g vs attn_prefill2, %d values unwritten", L, i, e, nan)
+			}
+			verdict += fmt.Sprintf("%.1e ", e)
+		}
+		flops := 4 * float64(hd*c.Heads) * float64(L) * float64(L+1) / 2
+		var us [3]float64
+		for i := range run {
+			us[i] = k.time(10, run[i])
+		}
+		tf := func(u float64) float64 { return flops / (u * 1e-6) / 1e12 }
+		k.add("| flash prefill | %d | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) | rel err %s|", L, us[0], tf(us[0]), us[1], tf(us[1]),
+			us[2], tf(us[2]), verdict)
 	}
 }
 

@@ -29,12 +29,14 @@ type tuning struct {
 	split, threads int // split-K attention shape
 	// gemvMax: 0 default, -1 never use gemv_* (cuBLAS for every GEMM).
 	gemvMax int
-	// flashWarps: 0 default, -1 the first flash kernel (attn_prefill).
+	// flashWarps: 0 default, -1 the first flash kernel (attn_prefill);
+	// flashV2: attn_prefill2 of flashWarps warps instead of attn_prefill3.
 	flashWarps int
+	flashV2    bool
 	noDecode   bool // attn_split instead of attn_decode2 / attn_decode
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
-	noTC       bool // attn_decode2 instead of attn_decode_tc (decode.cu)
+	noTC       bool // attn_decode2 instead of attn_decode_tc (attn.cu)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
 	// moeStage: moe_gemv_* copy their x rows to shared memory first
 	// (-DMOE_STAGE=1 in blocks.cu; the same sums); staged, not yet run on a GPU
@@ -74,10 +76,20 @@ type kernels struct {
 	attThreads, combineThreads        int
 	split                             int
 	// second generation (nil when unavailable or disabled)
-	attnDecode, gemvF32, gemvT, attnFlash2 *cu.Function
-	flash2Warps, flash2Smem                int
-	gemvMax                                int
-	v2Err                                  error // why the MC_V2 build was not used
+	attnDecode, gemvF32, gemvT *cu.Function
+	gemvMax                    int
+	v2Err                      error // why the MC_V2 build was not used
+	// attnFlash2: the flash prefill for head dims % 32 (attn_prefill3 from
+	// attn.cu, else llama.cu's attn_prefill2), flash2Rows query rows a
+	// block of flash2Threads threads and flash2Smem bytes of dynamic
+	// shared memory; flash2HeadsX: heads along the grid's x (attn.cu's),
+	// else query tiles. flash64 (attn_prefill3_64, or nil): 64-row tiles
+	// for prefills of fewer than flash64Below 128-row blocks.
+	attnFlash2                            *cu.Function
+	flash2Rows, flash2Threads, flash2Smem int
+	flash2HeadsX                          bool
+	flash64                               *cu.Function
+	flash64Smem, flash64Below             int
 	// attnDecode2 replaces attnDecode; the gemv2 set is the fused decode
 	// layer of at most gemvMax tokens (nil: separate kernels).
 	attnDecode2                    *cu.Function
@@ -95,7 +107,7 @@ type kernels struct {
 	d2Threads int
 	attnCnt   cu.DevicePtr
 	attnCntQ  int
-	// attnTC (decode.cu) replaces attnDecode2 over pages of a multiple of
+	// attnTC (attn.cu) replaces attnDecode2 over pages of a multiple of
 	// 16 keys, tcThreads a block; nil where the model does not suit it.
 	// attnTCWide (twice the threads, or nil) runs grids of fewer than
 	// tcWideBelow blocks outside batch-invariant mode.
@@ -278,10 +290,6 @@ func (b *Backend) loadKernels() error {
 			opt(&f.attnDecode, "attn_decode")
 		}
 	}
-	if f.attnDecode2 != nil && !tu.noTC && !tu.decode2W8 && hd == 128 && group <= 8 && f.split%16 == 0 &&
-		b.cfg.SlidingWindow == 0 {
-		b.loadDecodeTC(k, opts)
-	}
 	if !tu.noFused && f.gemvMax > 0 && b.cfg.Dim%8 == 0 {
 		b.loadFused()
 	}
@@ -303,13 +311,16 @@ func (b *Backend) loadKernels() error {
 	if fw > 0 && hd%32 == 0 && hd <= 128 {
 		opt(&f.attnFlash2, "attn_prefill2")
 		if f.attnFlash2 != nil {
-			f.flash2Warps = fw
-			f.flash2Smem = 2 * 2 * 64 * (hd + 8) * 2
+			f.flash2Rows, f.flash2Threads, f.flash2Smem = 16*fw, 32*fw, 2*2*64*(hd+8)*2
 			if e := f.attnFlash2.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, f.flash2Smem); e != nil {
 				b.lg.Warn("attn_prefill2: no room for its shared memory", zap.Error(e))
 				f.attnFlash2 = nil
 			}
 		}
+	}
+	if b.cfg.SlidingWindow == 0 && hd%32 == 0 && hd <= 128 {
+		decodeTC := f.attnDecode2 != nil && !tu.noTC && !tu.decode2W8 && hd == 128 && group <= 8 && f.split%16 == 0
+		b.loadAttn(k, opts, decodeTC, fw > 0 && !tu.flashV2)
 	}
 	if w := b.cfg.SlidingWindow; w > 0 {
 		// Only attn_split and attn_combine take a window.
@@ -321,29 +332,48 @@ func (b *Backend) loadKernels() error {
 	return nil
 }
 
-// loadDecodeTC compiles decode.cu (attn_decode_tc) with the llama set's
-// macros; a build NVRTC rejects leaves attn_decode2 in use.
-func (b *Backend) loadDecodeTC(k *cu.Kernels, opts []string) {
-	warps := min(defaultTCWarps, b.fn.split/16) // 2 measured the same, 8 slower at large batches
-	for b.fn.split%(16*warps) != 0 {
+// loadAttn compiles attn.cu with the llama set's macros and takes
+// attn_decode_tc when decodeTC, attn_prefill3 when prefill3; a build NVRTC
+// rejects leaves attn_decode2 and attn_prefill2 in use.
+func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool) {
+	f := &b.fn
+	warps := min(defaultTCWarps, max(f.split/16, 1)) // 2 measured the same, 8 slower at large batches
+	for f.split%(16*warps) != 0 && warps > 1 {
 		warps--
 	}
-	src, err := csrc.LlamaKernel("decode")
+	src, err := csrc.LlamaKernel("attn")
 	if err == nil {
-		b.fn.tcMod, err = k.LoadSource(b.cx, "decode", src, append(opts[:len(opts):len(opts)], fmt.Sprintf("-DTC_WARPS=%d", warps))...)
-	}
-	if err == nil {
-		b.fn.attnTC, err = b.fn.tcMod.Function("attn_decode_tc")
+		f.tcMod, err = k.LoadSource(b.cx, "attn", src, append(opts[:len(opts):len(opts)], fmt.Sprintf("-DTC_WARPS=%d", warps))...)
 	}
 	if err != nil {
-		b.lg.Warn("attn_decode_tc not available; decode attention on attn_decode2", zap.Error(err))
-		b.fn.attnTC = nil
+		b.lg.Warn("attn.cu rejected; attention on attn_decode2 and attn_prefill2", zap.Error(err))
 		return
 	}
-	b.fn.tcThreads = 32 * warps
+	if prefill3 {
+		const rows, threads = 128, 128                                  // P3_BQ, P3_WARPS * 32
+		smem := (rows*(b.cfg.HeadDim+8) + 3*2*32*(b.cfg.HeadDim+8)) * 2 // P3_SMEM
+		p, err := f.tcMod.Function("attn_prefill3")
+		if err == nil {
+			err = p.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, smem)
+		}
+		if err != nil {
+			b.lg.Warn("attn_prefill3 not available; flash prefill on attn_prefill2", zap.Error(err))
+		} else {
+			f.attnFlash2, f.flash2Rows, f.flash2Threads, f.flash2Smem = p, rows, threads, smem
+		}
+	}
+	if !decodeTC {
+		return
+	}
+	if f.attnTC, err = f.tcMod.Function("attn_decode_tc"); err != nil {
+		b.lg.Warn("attn_decode_tc not available; decode attention on attn_decode2", zap.Error(err))
+		f.attnTC = nil
+		return
+	}
+	f.tcThreads = 32 * warps
 	if sms, err := b.cx.MultiprocessorCount(); err == nil && !b.opts.tune.tcNarrow && !b.opts.BatchInvariant {
-		if f, err := b.fn.tcMod.Function("attn_decode_tc_wide"); err == nil {
-			b.fn.attnTCWide, b.fn.tcWideBelow = f, sms
+		if w, err := f.tcMod.Function("attn_decode_tc_wide"); err == nil {
+			f.attnTCWide, f.tcWideBelow = w, sms
 		}
 	}
 }

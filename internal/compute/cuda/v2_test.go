@@ -47,7 +47,9 @@ func TestKernelsV2(t *testing.T) {
 }
 
 // TestFlashPrefillV1V2 compares the first and second kernel sets (prefill
-// chunks over several tiles and pages, then decode steps).
+// chunks over several tiles and pages, then decode steps), the second with
+// its flash prefill from attn.cu (attn_prefill3, the default) and from
+// llama.cu (attn_prefill2).
 func TestFlashPrefillV1V2(t *testing.T) {
 	m := headDim128(t)
 	r := newRand(9)
@@ -56,10 +58,13 @@ func TestFlashPrefillV1V2(t *testing.T) {
 	const per = 48
 	v1 := newOrSkip(t, m, Options{PageSize: 16, Pages: per * len(prompts), tune: tuning{noV2: true}})
 	g1 := runBatch(t, v1, prompts, chunks, 3, per)
-	for _, tu := range []tuning{{}, {flashWarps: 4}} {
+	for _, tu := range []tuning{{}, {flashV2: true}, {flashV2: true, flashWarps: 4}} {
 		v2 := newOrSkip(t, m, Options{PageSize: 16, Pages: per * len(prompts), tune: tu})
 		if v2.fn.v2Err != nil {
 			t.Fatalf("MC_V2 build rejected: %v", v2.fn.v2Err)
+		}
+		if p3 := v2.fn.flash2HeadsX; p3 == tu.flashV2 {
+			t.Fatalf("%+v: flash prefill of %d rows, %d threads: attn_prefill3 %v", tu, v2.fn.flash2Rows, v2.fn.flash2Threads, p3)
 		}
 		g2 := runBatch(t, v2, prompts, chunks, 3, per)
 		for i := range prompts {

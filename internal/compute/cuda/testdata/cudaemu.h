@@ -111,7 +111,9 @@ inline unsigned __ballot_sync(unsigned, int p) {
 	emu_yield(EMU_WARP);
 	return m;
 }
+inline int __any_sync(unsigned m, int p) { return __ballot_sync(m, p) != 0; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 	uint64_t v = (uint64_t)y << 32 | x;
 	unsigned r = 0;
@@ -216,7 +218,7 @@ template <class K, class... A> void emu_launch(K k, emu_dim3 grid, unsigned thre
 			}
 }
 
-// Tensor-core operations, as PTX defines them (for csrc/llama/decode.cu).
+// Tensor-core operations, as PTX defines them (for csrc/llama/attn.cu).
 // pack_bf16: cvt.rn.bf16x2.f32 (lo in the low half, nearest even).
 inline unsigned emu_bf16(float f) {
 	unsigned u;
@@ -249,3 +251,38 @@ inline void mma_bf16(float *c, unsigned a0, unsigned a1, unsigned a2, unsigned a
 	emu_yield(EMU_WARP);
 	for (int e = 0; e < 4; e++) c[e] = r[e];
 }
+// ldsm4 / ldsm4t: ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16; lanes
+// 8i..8i+7 give matrix i's row addresses. Plain: r[i] of lane l is row l/4,
+// elements 2(l%4) (low half) and 2(l%4)+1; .trans: elements l/4 of rows
+// 2(l%4) (low half) and 2(l%4)+1.
+inline const unsigned short *emu_rowp[1024];
+inline void emu_ldsm(unsigned *r, const unsigned short *p, bool trans) {
+	unsigned me = threadIdx.x, w = me & ~31u, l = me & 31;
+	emu_rowp[me] = p;
+	emu_yield(EMU_WARP);
+	unsigned v[4];
+	for (int i = 0; i < 4; i++) {
+		if (trans) {
+			const unsigned short *a = emu_rowp[w + 8 * i + 2 * (l % 4)], *b = emu_rowp[w + 8 * i + 2 * (l % 4) + 1];
+			v[i] = a[l / 4] | (unsigned)b[l / 4] << 16;
+		} else {
+			const unsigned short *a = emu_rowp[w + 8 * i + l / 4];
+			v[i] = a[2 * (l % 4)] | (unsigned)a[2 * (l % 4) + 1] << 16;
+		}
+	}
+	emu_yield(EMU_WARP);
+	for (int i = 0; i < 4; i++) r[i] = v[i];
+}
+inline void ldsm4(unsigned *r, const unsigned short *p) { emu_ldsm(r, p, false); }
+inline void ldsm4t(unsigned *r, const unsigned short *p) { emu_ldsm(r, p, true); }
+// cp.async: the copy happens at once (the emulation cannot show a missing
+// wait, only a stage overwritten while another warp still reads it).
+inline void cp16(unsigned short *s, const unsigned short *g, bool ok) {
+	if (ok)
+		std::memcpy(s, g, 16);
+	else
+		std::memset(s, 0, 16);
+}
+inline void cp_commit() {}
+template <int N> inline void cp_wait() {}
+alignas(16) inline unsigned char dyn_smem[256 << 10]; // extern __shared__: blocks run one at a time

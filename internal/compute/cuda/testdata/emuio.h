@@ -1,5 +1,5 @@
 // emuio.h: the input and output of the kernel emulations (blocks_emu.cpp,
-// decode_emu.cpp): emu_open(argc, argv) opens argv[1] for reading and
+// attn_emu.cpp, prefill_emu.cpp): emu_open(argc, argv) opens argv[1] for reading and
 // argv[2] for writing; rd reads an int32, rdv n values (plus one spare, so
 // data() is never null), wrv writes n values. A short input exits 2.
 #include <cstdio>

@@ -11,7 +11,7 @@ import (
 	"github.com/mooncake-go/mooncake-go/internal/model"
 )
 
-// TestAttnTCEmulated runs decode.cu's attn_decode_tc on the host (the mma
+// TestAttnTCEmulated runs attn.cu's attn_decode_tc on the host (the mma
 // fragments exchanged between the emulated lanes as PTX lays them out)
 // against attention in float64 over the same bf16 q, K and V: every split's
 // max (natural-log units) within 1e-4, the merged output within 4e-3
@@ -22,7 +22,7 @@ import (
 // 32 and 64 in a random order; queries of 1 key to several splits, partial
 // chunks among them.
 func TestAttnTCEmulated(t *testing.T) {
-	src, _ := filepath.Abs("../../../csrc/llama/decode.cu")
+	src, _ := filepath.Abs("../../../csrc/llama/attn.cu")
 	for _, tc := range []struct {
 		group, split, warps, nkv, ps int
 		wide                         bool
@@ -35,8 +35,8 @@ func TestAttnTCEmulated(t *testing.T) {
 		{4, 16, 1, 2, 16, false, []int{0, 17, 40}},
 	} {
 		t.Run(fmt.Sprintf("group%d-split%d-warps%d-wide%v", tc.group, tc.split, tc.warps, tc.wide), func(t *testing.T) {
-			bin := emuCompile(t, "decode_emu", "-DHEAD_DIM=128", "-DUSE_BF16=1", fmt.Sprintf("-DGQA_GROUP=%d", tc.group),
-				fmt.Sprintf("-DATT_SPLIT=%d", tc.split), fmt.Sprintf("-DTC_WARPS=%d", tc.warps), `-DDECODE_CU="`+src+`"`)
+			bin := emuCompile(t, "attn_emu", "-DHEAD_DIM=128", "-DUSE_BF16=1", fmt.Sprintf("-DGQA_GROUP=%d", tc.group),
+				fmt.Sprintf("-DATT_SPLIT=%d", tc.split), fmt.Sprintf("-DTC_WARPS=%d", tc.warps), `-DATTN_CU="`+src+`"`)
 			checkAttnTC(t, bin, tc.group, tc.split, tc.nkv, tc.ps, tc.wide, tc.pos)
 		})
 	}
@@ -159,6 +159,140 @@ func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, wide bool,
 			}
 			if e := math.Sqrt(num / den); !(e <= 4e-3) {
 				t.Errorf("query %d (pos %d) head %d: relative error %.3g", z, p, h, e)
+			}
+		}
+	}
+}
+
+// TestAttnPrefillEmulated runs attn.cu's attn_prefill3 on the host (ldmatrix
+// and mma fragments exchanged between the emulated lanes as PTX lays them
+// out; cp.async copies at once) against causal attention in float64 over
+// the same bf16 q, K and V: each row's output within 5e-3 relative (P is
+// rounded to bf16, the output to bf16), rows outside every chunk left
+// alone; the 128-row and the 64-row kernel. Shapes: head dims 128 and 64, 1 and 4 query heads per KV head,
+// pages of 16, 48 and 64 in a random order, chunks of 1 to 257 rows with and
+// without earlier keys in the cache (pos0), query tiles partly past a
+// chunk's end, warps whose rows all lie past it.
+func TestAttnPrefillEmulated(t *testing.T) {
+	src, _ := filepath.Abs("../../../csrc/llama/attn.cu")
+	for _, tc := range []struct {
+		hd, group, nkv, ps int
+		qlen, pos0         []int
+	}{
+		{128, 4, 1, 16, []int{200, 130, 1, 37}, []int{0, 70, 33, 0}},
+		{64, 1, 2, 64, []int{257, 64}, []int{0, 100}},
+		{64, 2, 1, 48, []int{100, 5}, []int{30, 0}}, // pages of no power of two
+	} {
+		t.Run(fmt.Sprintf("hd%d-group%d-ps%d", tc.hd, tc.group, tc.ps), func(t *testing.T) {
+			bin := emuCompile(t, "prefill_emu", fmt.Sprintf("-DHEAD_DIM=%d", tc.hd), "-DUSE_BF16=1",
+				fmt.Sprintf("-DGQA_GROUP=%d", tc.group), "-DATT_SPLIT=128", `-DATTN_CU="`+src+`"`)
+			for _, rows64 := range []bool{false, true} {
+				checkAttnPrefill(t, bin, tc.hd, tc.group, tc.nkv, tc.ps, tc.qlen, tc.pos0, rows64)
+			}
+		})
+	}
+}
+
+func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, pos0 []int, rows64 bool) {
+	r := rand.New(rand.NewPCG(uint64(hd), uint64(group)))
+	ns, nh := len(qlen), group*nkv
+	per := 0
+	qstart := make([]int32, ns)
+	rows := 0
+	for i := range ns {
+		per = max(per, (pos0[i]+qlen[i]+ps-1)/ps)
+		rows += 3 // a gap before each chunk: rows no chunk owns
+		qstart[i] = int32(rows)
+		rows += qlen[i]
+	}
+	npages := ns * per
+	perm := r.Perm(npages)
+	ptoff, pages := make([]int32, ns), make([]int32, ns*per)
+	for i := range ns {
+		ptoff[i] = int32(i * per)
+		for j := range per {
+			pages[i*per+j] = int32(perm[i*per+j])
+		}
+	}
+	bf := func(n int) []uint16 {
+		v := make([]uint16, n)
+		for i := range v {
+			v[i] = model.F32ToBF16(float32(r.NormFloat64()))
+		}
+		return v
+	}
+	qd, kvd := nh*hd, nkv*hd
+	q, kc, vc := bf(rows*qd), bf(npages*ps*kvd), bf(npages*ps*kvd)
+	const nan = 0x7fc1
+	out := make([]uint16, rows*qd)
+	for i := range out {
+		out[i] = nan
+	}
+	scale := 1 / math.Sqrt(float64(hd))
+	i32 := func(v []int) []int32 {
+		o := make([]int32, len(v))
+		for i, x := range v {
+			o[i] = int32(x)
+		}
+		return o
+	}
+	var in bytes.Buffer
+	put(t, &in, int32(ns), int32(nh), int32(nkv), int32(ps), int32(npages), int32(per), int32(rows),
+		float32(scale*math.Log2E), qstart, i32(qlen), i32(pos0), ptoff, pages, q, kc, vc, out, int32(b2i(rows64)))
+	got := emuCall[uint16](t, bin, &in, rows*qd)
+	f := func(h uint16) float64 { return float64(model.BF16ToF32(h)) }
+	owned := make([]bool, rows)
+	for i := range ns {
+		for j := range qlen[i] {
+			owned[int(qstart[i])+j] = true
+		}
+		row := func(key int) int {
+			return (int(pages[i*per+key/ps])*ps + key%ps) * kvd
+		}
+		for j := range qlen[i] {
+			qr := int(qstart[i]) + j
+			p := pos0[i] + j
+			for h := range nh {
+				qv := q[qr*qd+h*hd:][:hd]
+				kh := h / group
+				s := make([]float64, p+1)
+				M := math.Inf(-1)
+				for k := range s {
+					kr := kc[row(k)+kh*hd:][:hd]
+					for d := range hd {
+						s[k] += f(qv[d]) * f(kr[d])
+					}
+					s[k] *= scale
+					M = math.Max(M, s[k])
+				}
+				want, L := make([]float64, hd), 0.0
+				for k, v := range s {
+					e := math.Exp(v - M)
+					L += e
+					vr := vc[row(k)+kh*hd:][:hd]
+					for d := range hd {
+						want[d] += e * f(vr[d])
+					}
+				}
+				var num, den float64
+				for d := range hd {
+					w, g := want[d]/L, f(got[qr*qd+h*hd+d])
+					num += (w - g) * (w - g)
+					den += w * w
+				}
+				if e := math.Sqrt(num / den); !(e <= 5e-3) {
+					t.Errorf("rows64 %v: seq %d row %d (pos %d) head %d: relative error %.3g", rows64, i, j, p, h, e)
+				}
+			}
+		}
+	}
+	for qr, o := range owned {
+		if o {
+			continue
+		}
+		for k := range qd {
+			if got[qr*qd+k] != nan {
+				t.Fatalf("row %d, owned by no chunk, written", qr)
 			}
 		}
 	}

@@ -1,7 +1,7 @@
-// decode_emu.cpp: runs csrc/llama/decode.cu's attn_decode_tc(_wide) on the host
+// attn_emu.cpp: runs csrc/llama/attn.cu's attn_decode_tc(_wide) on the host
 // through cudaemu.h, for TestAttnTCEmulated. Build:
 //   g++ -std=c++20 -O0 -ffp-contract=off -DHEAD_DIM=128 -DUSE_BF16=1 \
-//       -DGQA_GROUP=g -DATT_SPLIT=s -DDECODE_CU='"path/to/decode.cu"' decode_emu.cpp
+//       -DGQA_GROUP=g -DATT_SPLIT=s -DATTN_CU='"path/to/attn.cu"' attn_emu.cpp
 // Input (little-endian int32 unless said): nq, nheads, nkv, page_size,
 // nsplit, npages, pages per query, scale_log2 (f32), pos [nq], qrow [nq],
 // ptoff [nq], pages [nq * pages per query], q bf16 [nq][nheads][HEAD_DIM],
@@ -9,7 +9,7 @@
 // [nq][nheads][nsplit][HEAD_DIM], part_ml f32 [nq][nheads][nsplit][2] (the
 // initial contents), wide (attn_decode_tc_wide). Output: part_o, part_ml.
 #include "cudaemu.h"
-#include DECODE_CU
+#include ATTN_CU
 
 #include "emuio.h"
 

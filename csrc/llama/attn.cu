@@ -1,0 +1,478 @@
+// attn.cu: attention on bf16 tensor cores, a kernel set of its own compiled
+// by NVRTC with llama.cu's macros (HEAD_DIM, USE_BF16, GQA_GROUP, ATT_SPLIT)
+// for bf16 models without a sliding window: decode (attn_decode_tc) and
+// prefill (attn_prefill3, below). testdata/attn_emu.cpp and prefill_emu.cpp
+// run them on the host (TestAttnTCEmulated, TestAttnPrefillEmulated).
+//
+// attn_decode_tc. The
+// split-K decode attention of llama.cu's attn_decode2 (the same arguments
+// up to scale_log2, grid (split, kv head, query), partial-result layout and
+// fixed split of the keys, merged by attn_combine), with the dot products
+// on mma.sync instead of the CUDA cores, which bound attn_decode2 at 47-63%
+// of HBM at batch 8..256 (shuffles and FMAs per key). A kernel set of its
+// own, compiled by NVRTC with llama.cu's macros (HEAD_DIM, USE_BF16,
+// GQA_GROUP, ATT_SPLIT) and loaded for bf16 models with head dim 128, at
+// most 8 query heads per KV head and no sliding window; launched only over
+// pages of a multiple of 16 keys. testdata/decode_emu.cpp runs it on the
+// host (TestAttnTCEmulated).
+//
+// Block: TC_WARPS warps (-DTC_WARPS, default 4, a divisor of ATT_SPLIT/16);
+// warp w takes the split's 16-key chunks w, w + TC_WARPS, ... (a chunk lies
+// in one page), prefetching its next chunk's rows to L2 while it computes.
+// attn_decode_tc_wide: the same with 2*TC_WARPS warps, for small grids.
+// Per chunk, with mma m16n8k16 (bf16 operands, f32 accumulation), lane
+// (r = lane/4, t = lane%4):
+//   S[16][16] = Q . K^T: M = the group's query heads (rows GQA_GROUP.. are
+//     zero), N = the chunk's keys (two tiles of 8), K = the head dim in an
+//     order permuted inside each 32 elements, so that every operand is one
+//     16-byte load: lane (r, t) loads head r's and key r's (and r+8's)
+//     elements 32p+8t..32p+8t+7; its words x, y are k-step 2p's logical k
+//     (2t, 2t+1) and (2t+8, 2t+9), words z, w k-step 2p+1's. The lane gets
+//     head r's scores of keys 2t, 2t+1 (tile 0) and 8+2t, 9+2t (tile 1).
+//   An online softmax per head in f32 (exp2, S scaled by scale_log2); P is
+//     rounded to bf16 (the sum l adds the rounded values) and is, as held,
+//     the B operand (keys x head r) of
+//   O^T[HEAD_DIM][8] += V^T . P^T: M = the head dim (tile j's row r is
+//     element 8r+j, row r+8 element 64+8r+j), N = the heads, K = the keys;
+//     lane (r, t) loads keys 2t, 2t+1, 2t+8, 2t+9's elements 8r..8r+7 and
+//     64+8r..64+8r+7 (16 bytes each) and pairs two keys' elements by byte
+//     permutes. The lane then holds O^T of heads 2t, 2t+1: their rescale
+//     factors come from lanes 8t and 8t+4.
+// The warps' (m, l, O) merge in shared memory in warp order, as
+// attn_decode2's key slots do; m is stored in natural-log units.
+
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+#ifdef __CUDA_ARCH__
+// c += A . B, m16n8k16, A row-major (a0: row r, k 2t..; a1: row r+8; a2:
+// row r, k 2t+8..; a3: row r+8, k 2t+8..), B column-major (b0: k 2t..,
+// column r; b1: k 2t+8..), c: rows r, r+8, columns 2t, 2t+1.
+__device__ __forceinline__ void mma_bf16(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+	asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+		     "{%0,%1,%2,%3};\n"
+		     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+		     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// pack_bf16 rounds lo and hi to bf16 (nearest even): lo in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+	u32 r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+	return r;
+}
+__device__ __forceinline__ u32 sm_addr(const void *p) {
+	u32 a;
+	asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
+	return a;
+}
+// ldsm4: ldmatrix.x4 of four 8x8 b16 matrices in shared memory, lanes 8i..
+// 8i+7 giving matrix i's row addresses (16 bytes each); r[i] of lane l is
+// matrix i's row l/4, elements 2(l%4), 2(l%4)+1 (low half first).
+// ldsm4t: the same transposed: r[i] holds rows 2(l%4), 2(l%4)+1 of column
+// l/4.
+__device__ __forceinline__ void ldsm4(u32 *r, const bf16_t *p) {
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+		     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+		     : "r"(sm_addr(p)));
+}
+__device__ __forceinline__ void ldsm4t(u32 *r, const bf16_t *p) {
+	asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+		     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+		     : "r"(sm_addr(p)));
+}
+// cp16: 16 bytes from global g to shared s, asynchronously (zeros when !ok);
+// cp_commit closes a group of them, cp_wait<N> waits until at most N of
+// this thread's groups are pending.
+__device__ __forceinline__ void cp16(bf16_t *s, const bf16_t *g, bool ok) {
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sm_addr(s)), "l"(g),
+		"r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+extern __shared__ __align__(16) unsigned char dyn_smem[];
+#endif
+
+__device__ __forceinline__ void tc_pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// tc_prefetch starts n bytes at p (16-byte aligned) towards L2 (sm_90).
+__device__ __forceinline__ void tc_prefetch(const void *p, int n) {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(n) : "memory");
+#endif
+}
+
+#ifndef TC_WARPS
+#define TC_WARPS 4
+#endif
+#if USE_BF16 && HEAD_DIM == 128 && GQA_GROUP <= 8 && ATT_SPLIT % (16 * TC_WARPS) == 0
+
+__device__ __forceinline__ u32 tc_word(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+template <int W>
+__device__ __forceinline__ void attn_tc(float *part_o, float *part_ml, const bf16_t *q, const bf16_t *kc,
+	const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff, const int *pages, int page_size, int nsplit,
+	int nheads, int nkv, int qi0, float scale_log2) {
+	tc_pdl_trigger();
+	__shared__ __align__(16) float os[W][GQA_GROUP][HEAD_DIM];
+	__shared__ float ms[W][GQA_GROUP], ls[W][GQA_GROUP];
+	int split = blockIdx.x, g = blockIdx.y, z = blockIdx.z, qi = qi0 + z;
+	// the query's metadata in one round trip, before the exit that needs pos
+	int npos = pos[qi] + 1, poff = ptoff[qi], qr = qrow[qi];
+	int k0 = split * ATT_SPLIT;
+	if (k0 >= npos) return;
+	int len = min(ATT_SPLIT, npos - k0);
+	int KVD = nkv * HEAD_DIM;
+	int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+	int r = lane >> 2, t = lane & 3;
+	const int *pt = pages + poff;
+	uint4 qa[4];
+	{
+		const bf16_t *qb = q + (long long)qr * nheads * HEAD_DIM + (long long)(g * GQA_GROUP + r) * HEAD_DIM + 8 * t;
+#pragma unroll
+		for (int p = 0; p < 4; p++) {
+			qa[p].x = qa[p].y = qa[p].z = qa[p].w = 0u;
+			if (r < GQA_GROUP) qa[p] = *(const uint4 *)(qb + 32 * p);
+		}
+	}
+	const long long goff = (long long)g * HEAD_DIM;
+	float m = NEG_INF, l = 0.f; // head r's running max (log2 units) and this lane's share of the sum
+	float o[8][4];
+#pragma unroll
+	for (int j = 0; j < 8; j++) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+	for (int c0 = warp * 16; c0 < len; c0 += W * 16) {
+		int key0 = k0 + c0;
+		int last = len - 1 - c0; // the chunk's last key; later ones load it again and are masked
+		long long row0 = (long long)pt[key0 / page_size] * page_size + key0 % page_size;
+		const bf16_t *kb = kc + row0 * KVD + goff, *vb = vc + row0 * KVD + goff;
+		uint4 ka[2][4], va[4][2];
+#pragma unroll
+		for (int n = 0; n < 2; n++) {
+			const bf16_t *kr = kb + (long long)min(8 * n + r, last) * KVD + 8 * t;
+#pragma unroll
+			for (int p = 0; p < 4; p++) ka[n][p] = *(const uint4 *)(kr + 32 * p);
+		}
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			const bf16_t *vr = vb + (long long)min(2 * t + (i & 1) + 8 * (i >> 1), last) * KVD + 8 * r;
+			va[i][0] = *(const uint4 *)vr;
+			va[i][1] = *(const uint4 *)(vr + 64);
+		}
+		if (c0 + W * 16 < len) {
+			// the warp's next chunk towards L2 while this one computes: lane
+			// l < 16 key l's K row, lane 16 + l its V row
+			int n0 = c0 + W * 16, nk = k0 + n0;
+			long long nrow = (long long)pt[nk / page_size] * page_size + nk % page_size + min(lane & 15, len - 1 - n0);
+			tc_prefetch((lane < 16 ? kc : vc) + nrow * KVD + goff, HEAD_DIM * 2);
+		}
+		float s[2][4];
+#pragma unroll
+		for (int n = 0; n < 2; n++) {
+			s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+			for (int p = 0; p < 4; p++) {
+				mma_bf16(s[n], qa[p].x, 0u, qa[p].y, 0u, ka[n][p].x, ka[n][p].y);
+				mma_bf16(s[n], qa[p].z, 0u, qa[p].w, 0u, ka[n][p].z, ka[n][p].w);
+			}
+		}
+		// head r's scores of the chunk's keys 2t, 2t+1, 8+2t, 9+2t
+		float sv[4] = {s[0][0], s[0][1], s[1][0], s[1][1]};
+		float mx = NEG_INF;
+#pragma unroll
+		for (int i = 0; i < 4; i++) {
+			int key = 2 * t + (i & 1) + 8 * (i >> 1);
+			sv[i] = key <= last ? sv[i] * scale_log2 : NEG_INF;
+			mx = fmaxf(mx, sv[i]);
+		}
+		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+		mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+		float mn = fmaxf(m, mx); // finite: the chunk's first key is valid
+		float sc = exp2f(m - mn);
+		u32 pb0 = pack_bf16(exp2f(sv[0] - mn), exp2f(sv[1] - mn));
+		u32 pb1 = pack_bf16(exp2f(sv[2] - mn), exp2f(sv[3] - mn));
+		l = l * sc + ((__uint_as_float(pb0 << 16) + __uint_as_float(pb0 & 0xffff0000u)) +
+			(__uint_as_float(pb1 << 16) + __uint_as_float(pb1 & 0xffff0000u)));
+		m = mn;
+		float sa = __shfl_sync(0xffffffffu, sc, 8 * t), sb = __shfl_sync(0xffffffffu, sc, 8 * t + 4);
+#pragma unroll
+		for (int j = 0; j < 8; j++) {
+			o[j][0] *= sa;
+			o[j][1] *= sb;
+			o[j][2] *= sa;
+			o[j][3] *= sb;
+			// element j of each 16-byte row: word j/2, its low half when j is even
+			u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+			int wi = j >> 1;
+			u32 a0 = __byte_perm(tc_word(va[0][0], wi), tc_word(va[1][0], wi), sel);
+			u32 a1 = __byte_perm(tc_word(va[0][1], wi), tc_word(va[1][1], wi), sel);
+			u32 a2 = __byte_perm(tc_word(va[2][0], wi), tc_word(va[3][0], wi), sel);
+			u32 a3 = __byte_perm(tc_word(va[2][1], wi), tc_word(va[3][1], wi), sel);
+			mma_bf16(o[j], a0, a1, a2, a3, pb0, pb1);
+		}
+	}
+	l += __shfl_xor_sync(0xffffffffu, l, 1);
+	l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+	for (int j = 0; j < 8; j++) {
+		if (2 * t < GQA_GROUP) {
+			os[warp][2 * t][8 * r + j] = o[j][0];
+			os[warp][2 * t][64 + 8 * r + j] = o[j][2];
+		}
+		if (2 * t + 1 < GQA_GROUP) {
+			os[warp][2 * t + 1][8 * r + j] = o[j][1];
+			os[warp][2 * t + 1][64 + 8 * r + j] = o[j][3];
+		}
+	}
+	if (t == 0 && r < GQA_GROUP) {
+		ms[warp][r] = m;
+		ls[warp][r] = l;
+	}
+	__syncthreads();
+	for (int i = threadIdx.x; i < GQA_GROUP * HEAD_DIM; i += blockDim.x) {
+		int h = i / HEAD_DIM, d = i % HEAD_DIM;
+		float M = NEG_INF;
+#pragma unroll
+		for (int w = 0; w < W; w++) M = fmaxf(M, ms[w][h]);
+		float a = 0.f, L = 0.f;
+#pragma unroll
+		for (int w = 0; w < W; w++) {
+			float f = exp2f(ms[w][h] - M); // 0 for a warp that saw no key
+			a = fmaf(os[w][h][d], f, a);
+			L = fmaf(ls[w][h], f, L);
+		}
+		long long base = ((long long)z * nheads + g * GQA_GROUP + h) * nsplit + split;
+		part_o[base * HEAD_DIM + d] = a;
+		if (d == 0) {
+			part_ml[base * 2] = M * 0.69314718055994531f;
+			part_ml[base * 2 + 1] = L;
+		}
+	}
+}
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 32, 16 / TC_WARPS) attn_decode_tc(float *part_o, float *part_ml,
+	const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos, const int *ptoff,
+	const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
+	attn_tc<TC_WARPS>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0, scale_log2);
+}
+#if ATT_SPLIT % (32 * TC_WARPS) == 0
+// attn_decode_tc_wide: twice the warps, for grids smaller than the GPU (its
+// results differ from attn_decode_tc's in the last bits: another merge).
+extern "C" __global__ void __launch_bounds__(TC_WARPS * 64, 8 / TC_WARPS) attn_decode_tc_wide(float *part_o,
+	float *part_ml, const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qrow, const int *pos,
+	const int *ptoff, const int *pages, int page_size, int nsplit, int nheads, int nkv, int qi0, float scale_log2) {
+	attn_tc<2 * TC_WARPS>(part_o, part_ml, q, kc, vc, qrow, pos, ptoff, pages, page_size, nsplit, nheads, nkv, qi0,
+		scale_log2);
+}
+#endif
+#endif
+
+#if USE_BF16 && HEAD_DIM % 32 == 0 && HEAD_DIM <= 128
+// attn_prefill3: causal flash attention over paged KV (the arguments and
+// results of llama.cu's attn_prefill2, which it replaces), block (head,
+// query tile, seq): heads along x so that the GPU starts every head's
+// latest (longest) tile before any shorter one. P3_WARPS warps of MT m16
+// tiles of query rows each (attn_prefill3: MT 2, 128 rows a block, so each
+// shared-memory byte read feeds twice the tensor-core work of one tile;
+// attn_prefill3_64: MT 1, 64 rows, for short prompts, where 128-row tiles
+// leave the GPU unevenly loaded). The block's Q tile is loaded once into
+// shared memory; 32-key K and V tiles stream through P3_STAGES stages by
+// cp.async, one barrier a tile; fragments by ldmatrix (V transposed by
+// ldmatrix.trans). Per tile and row: S = Q.K^T in f32, masked past the
+// row's position on tiles that cross the warp's diagonal; an online
+// softmax in exp2 units (p = exp2(s * scale_log2 - m), m the running max
+// of s * scale_log2), O rescaled only when some row's max moved (a factor
+// of exactly 1 otherwise); P rounded to bf16 for P.V, the sum l over the
+// unrounded values. A warp skips tiles whose keys all lie past its rows.
+// Dynamic shared memory: P3_SMEM(MT) bytes.
+#define P3_WARPS 4
+#define P3_BK 32
+#define P3_STAGES 3
+#define P3_PAD (HEAD_DIM + 8) // row stride in elements: ldmatrix rows land on distinct banks
+#define P3_TILE (P3_BK * P3_PAD)
+#define P3_SMEM(MT) ((P3_WARPS * 16 * (MT) * P3_PAD + P3_STAGES * 2 * P3_TILE) * 2)
+template <int MT>
+__device__ __forceinline__ void prefill3(bf16_t *out, const bf16_t *q, const bf16_t *kc, const bf16_t *vc,
+	const int *qstart, const int *qlen, const int *pos0, const int *ptoff, const int *pages, int page_size, int nheads,
+	int nkv, float scale_log2) {
+	const int BQ = P3_WARPS * 16 * MT, WR = 16 * MT; // rows a block, a warp
+	bf16_t *Qs = (bf16_t *)dyn_smem, *KVs = Qs + BQ * P3_PAD; // Q [BQ][P3_PAD]; [stage][K|V][P3_BK][P3_PAD]
+	const int b = blockIdx.z, h = blockIdx.x;
+	const int L = qlen[b], qt0 = (gridDim.y - 1 - blockIdx.y) * BQ;
+	if (qt0 >= L) return;
+	const int g = h / GQA_GROUP, QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM, CH = HEAD_DIM / 8, NT = P3_WARPS * 32;
+	const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+	const int p0 = pos0[b];
+	// pages of a power of two: shifts instead of divisions
+	const int psh = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+	const bf16_t *qb = q + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
+	const int *pt = pages + ptoff[b];
+	for (int c = tid; c < BQ * CH; c += NT) {
+		int r = c / CH, cc = c % CH * 8;
+		bool ok = qt0 + r < L;
+		cp16(Qs + r * P3_PAD + cc, qb + (long long)(ok ? qt0 + r : 0) * QD + cc, ok);
+	}
+	const int kend = p0 + min(qt0 + BQ, L), nkt = (kend + P3_BK - 1) / P3_BK;
+	// load(kt): tile kt into its stage, one commit group (empty past the
+	// last tile, so that every iteration waits for the same count)
+	auto load = [&](int kt) {
+		if (kt < nkt) {
+			bf16_t *Ks = KVs + kt % P3_STAGES * 2 * P3_TILE, *Vs = Ks + P3_TILE;
+#pragma unroll
+			for (int i = 0; i < P3_BK * CH / NT; i++) {
+				int c = tid + i * NT, r = c / CH, cc = c % CH * 8, key = kt * P3_BK + r;
+				bool ok = key < kend;
+				int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
+				long long off =
+					ok ? ((long long)pt[pg] * page_size + in) * KVD + (long long)g * HEAD_DIM + cc : 0;
+				cp16(Ks + r * P3_PAD + cc, kc + off, ok);
+				cp16(Vs + r * P3_PAD + cc, vc + off, ok);
+			}
+		}
+		cp_commit();
+	};
+	load(0); // with Q
+#pragma unroll
+	for (int i = 1; i < P3_STAGES - 1; i++) load(i);
+	const int wr0 = qt0 + warp * WR, wmin = p0 + wr0, wmax = wmin + WR - 1; // the warp's rows and positions
+	const bf16_t *qs = Qs + (warp * WR + (lane & 7) + (lane >> 3 & 1) * 8) * P3_PAD + (lane >> 4) * 8;
+	float o[MT][HEAD_DIM / 8][4], m[MT][2], l[MT][2];
+#pragma unroll
+	for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++) o[mt][nd][0] = o[mt][nd][1] = o[mt][nd][2] = o[mt][nd][3] = 0.f;
+		m[mt][0] = m[mt][1] = NEG_INF;
+		l[mt][0] = l[mt][1] = 0.f;
+	}
+	for (int kt = 0; kt < nkt; kt++) {
+		cp_wait<P3_STAGES - 2>(); // this thread's copies of tile kt (and Q) landed
+		__syncthreads();          // everyone's; and every warp is done with tile kt-1's stage
+		load(kt + P3_STAGES - 1); // into that stage
+		const int k0 = kt * P3_BK;
+		if (k0 > wmax || wr0 >= L) continue; // keys past its rows, or rows past the chunk
+		const bf16_t *Ks = KVs + kt % P3_STAGES * 2 * P3_TILE, *Vs = Ks + P3_TILE;
+		float s[MT][P3_BK / 8][4];
+#pragma unroll
+		for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+			for (int nb = 0; nb < P3_BK / 8; nb++) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+#pragma unroll
+		for (int kk = 0; kk < HEAD_DIM / 32; kk++) {
+			u32 kb[P3_BK / 8][4]; // keys nb*8.., dims kk*32 + 8i..: k-step 2kk's b0, b1, then 2kk+1's
+#pragma unroll
+			for (int nb = 0; nb < P3_BK / 8; nb++) ldsm4(kb[nb], Ks + (nb * 8 + (lane & 7)) * P3_PAD + kk * 32 + (lane >> 3) * 8);
+#pragma unroll
+			for (int hk = 0; hk < 2; hk++) {
+				u32 qa[MT][4];
+#pragma unroll
+				for (int mt = 0; mt < MT; mt++) ldsm4(qa[mt], qs + mt * 16 * P3_PAD + kk * 32 + hk * 16);
+#pragma unroll
+				for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+					for (int nb = 0; nb < P3_BK / 8; nb++)
+						mma_bf16(s[mt][nb], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], kb[nb][2 * hk],
+							kb[nb][2 * hk + 1]);
+			}
+		}
+		const bool diag = k0 + P3_BK - 1 > wmin;
+		float c[MT][2];
+		bool moved = false;
+#pragma unroll
+		for (int mt = 0; mt < MT; mt++) {
+#pragma unroll
+			for (int hf = 0; hf < 2; hf++) { // rows gr and gr+8 of m-tile mt
+				const int qp = wmin + mt * 16 + gr + 8 * hf;
+				float mx = NEG_INF;
+#pragma unroll
+				for (int nb = 0; nb < P3_BK / 8; nb++)
+#pragma unroll
+					for (int e = 0; e < 2; e++) {
+						float v = s[mt][nb][2 * hf + e];
+						if (diag && k0 + nb * 8 + 2 * tg + e > qp) v = s[mt][nb][2 * hf + e] = NEG_INF;
+						mx = fmaxf(mx, v);
+					}
+				mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+				mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+				// finite: every row's first tile holds key 0 <= its position
+				const float mn = fmaxf(m[mt][hf], mx * scale_log2);
+				c[mt][hf] = exp2f(m[mt][hf] - mn);
+				moved |= mn != m[mt][hf];
+				float sum = 0.f;
+#pragma unroll
+				for (int nb = 0; nb < P3_BK / 8; nb++)
+#pragma unroll
+					for (int e = 0; e < 2; e++) {
+						float p = exp2f(fmaf(s[mt][nb][2 * hf + e], scale_log2, -mn));
+						s[mt][nb][2 * hf + e] = p;
+						sum += p;
+					}
+				l[mt][hf] = l[mt][hf] * c[mt][hf] + sum;
+				m[mt][hf] = mn;
+			}
+		}
+		if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+			for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+				for (int nd = 0; nd < HEAD_DIM / 8; nd++) {
+					o[mt][nd][0] *= c[mt][0];
+					o[mt][nd][1] *= c[mt][0];
+					o[mt][nd][2] *= c[mt][1];
+					o[mt][nd][3] *= c[mt][1];
+				}
+		}
+#pragma unroll
+		for (int kk = 0; kk < P3_BK / 16; kk++) {
+			u32 pa[MT][4]; // P's A fragments: keys kk*16.. as held in S's accumulators
+#pragma unroll
+			for (int mt = 0; mt < MT; mt++) {
+				pa[mt][0] = pack_bf16(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+				pa[mt][1] = pack_bf16(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+				pa[mt][2] = pack_bf16(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+				pa[mt][3] = pack_bf16(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+			}
+#pragma unroll
+			for (int nd2 = 0; nd2 < HEAD_DIM / 16; nd2++) {
+				u32 vb[4]; // keys kk*16 + 8(i&1).., dims nd2*16 + 8(i>>1)..
+				ldsm4t(vb, Vs + (kk * 16 + (lane >> 3 & 1) * 8 + (lane & 7)) * P3_PAD + nd2 * 16 + (lane >> 4) * 8);
+#pragma unroll
+				for (int mt = 0; mt < MT; mt++) {
+					mma_bf16(o[mt][2 * nd2], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[0], vb[1]);
+					mma_bf16(o[mt][2 * nd2 + 1], pa[mt][0], pa[mt][1], pa[mt][2], pa[mt][3], vb[2], vb[3]);
+				}
+			}
+		}
+	}
+	cp_wait<0>(); // no copy outlives the block
+	bf16_t *ob = out + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
+#pragma unroll
+	for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+		for (int hf = 0; hf < 2; hf++) {
+			float ls = l[mt][hf];
+			ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+			ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+			const int r = wr0 + mt * 16 + gr + 8 * hf;
+			if (r >= L) continue;
+			const float inv = 1.f / ls;
+#pragma unroll
+			for (int nd = 0; nd < HEAD_DIM / 8; nd++)
+				*(u32 *)(ob + (long long)r * QD + nd * 8 + 2 * tg) =
+					pack_bf16(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
+		}
+}
+#define P3_ARGS                                                                                                       \
+	bf16_t *out, const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qstart, const int *qlen,         \
+		const int *pos0, const int *ptoff, const int *pages, int page_size, int nheads, int nkv, float scale_log2
+// grid (heads, ceil(longest chunk / 128), seqs), P3_WARPS * 32 threads
+extern "C" __global__ void __launch_bounds__(P3_WARPS * 32, 2) attn_prefill3(P3_ARGS) {
+	prefill3<2>(out, q, kc, vc, qstart, qlen, pos0, ptoff, pages, page_size, nheads, nkv, scale_log2);
+}
+// grid (heads, ceil(longest chunk / 64), seqs), P3_WARPS * 32 threads
+extern "C" __global__ void __launch_bounds__(P3_WARPS * 32, 3) attn_prefill3_64(P3_ARGS) {
+	prefill3<1>(out, q, kc, vc, qstart, qlen, pos0, ptoff, pages, page_size, nheads, nkv, scale_log2);
+}
+#endif
