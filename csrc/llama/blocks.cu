@@ -412,28 +412,14 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 //   SILU  unit o < hidden: rows o and hidden+o of W ([E][2*hidden][in]);
 //         h[r][o] = silu(g) * u (g, u rounded to T first), x = X[src[r]]
 //   DOWN  unit o < out: row o of W ([E][out][in]); Y[r][o] (f32) = X[r] . W[o]
-// With -DMOE_STAGE=1 (tuning moeStage) a block first copies the GEMV_T x
-// rows of a round to shared memory when they fit (in <= MOE_XS), so the
-// FMAs do not wait on an L2 round trip for x after each chunk's weights (as
-// gemv2_plain, llama.cu); the same values, the same sums.
 #define GEMV_T 4
-#ifndef MOE_STAGE
-#define MOE_STAGE 0
-#endif
-#define MOE_XS (32768 / (GEMV_T * (int)sizeof(T)))
 template <bool SILU>
 __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
 	const int *nact, const int *offs, int units, int in) {
 	int s = blockIdx.y;
 	if (s >= *nact) return;
 	int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-#if MOE_STAGE
-	__shared__ __align__(16) T xs[GEMV_T * MOE_XS];
-	const bool stage = in <= MOE_XS, live = o < units;
-	if (!stage && !live) return; // no barriers then
-#else
 	if (o >= units) return;
-#endif
 	int e = act[s], r0 = offs[e], rows = offs[e + 1] - r0;
 	const int nrow = SILU ? 2 : 1;
 	const T *w0 = W + ((long long)e * nrow * units + o) * in;
@@ -446,20 +432,6 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 			int r = r0 + t0 + min(j, nt - 1);
 			xr[j] = X + (long long)(src ? src[r] : r) * in;
 		}
-#if MOE_STAGE
-		if (stage) {
-			__syncthreads(); // every warp is done with the last round's rows
-			int pr = in * (int)sizeof(T) / 16; // 16-byte pieces a row
-			for (int i = threadIdx.x; i < nt * pr; i += blockDim.x) {
-				int j = i / pr;
-				((uint4 *)(xs + j * in))[i - j * pr] = ((const uint4 *)xr[j])[i - j * pr];
-			}
-			__syncthreads();
-#pragma unroll
-			for (int j = 0; j < GEMV_T; j++) xr[j] = xs + min(j, nt - 1) * in;
-			if (!live) continue;
-		}
-#endif
 		float acc[2][GEMV_T];
 #pragma unroll
 		for (int j = 0; j < GEMV_T; j++) acc[0][j] = acc[1][j] = 0.f;

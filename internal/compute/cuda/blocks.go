@@ -69,9 +69,6 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		return fmt.Errorf("cuda backend: kernel source: %w", err)
 	}
 	bk := &b.bk
-	if b.opts.tune.moeStage {
-		opts = append(opts[:len(opts):len(opts)], "-DMOE_STAGE=1")
-	}
 	if bk.mod, err = k.LoadSource(b.cx, "blocks", src, opts...); err != nil {
 		return fmt.Errorf("cuda backend: block kernels: %w", err)
 	}

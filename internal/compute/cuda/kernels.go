@@ -38,9 +38,6 @@ type tuning struct {
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (attn.cu)
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
-	// moeStage: moe_gemv_* copy their x rows to shared memory first
-	// (-DMOE_STAGE=1 in blocks.cu; the same sums); staged, not yet run on a GPU
-	moeStage bool
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
