@@ -89,6 +89,12 @@ __device__ __forceinline__ void cp16(bf16_t *s, const bf16_t *g, bool ok) {
 	asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(sm_addr(s)), "l"(g),
 		"r"(ok ? 16 : 0));
 }
+// ex2: 2^x by the SFU alone (ex2.approx.ftz: denormal results flush to 0).
+__device__ __forceinline__ float ex2(float x) {
+	float r;
+	asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+	return r;
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 extern __shared__ __align__(16) unsigned char dyn_smem[];
@@ -284,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 64, 8 / TC_WARPS) attn_d
 // ldmatrix.trans). Per tile and row: S = Q.K^T in f32, masked past the
 // row's position on tiles that cross the warp's diagonal; an online
 // softmax in exp2 units (p = exp2(s * scale_log2 - m), m the running max
-// of s * scale_log2), O rescaled only when some row's max moved (a factor
+// of s * scale_log2, ex2.approx), O rescaled only when some row's max moved (a factor
 // of exactly 1 otherwise); P rounded to bf16 for P.V, the sum l over the
 // unrounded values. A warp skips tiles whose keys all lie past its rows.
 // Dynamic shared memory: P3_SMEM(MT) bytes.
@@ -350,33 +356,39 @@ __device__ __forceinline__ void prefill3(bf16_t *out, const bf16_t *q, const bf1
 	for (int kt = 0; kt < nkt; kt++) {
 		cp_wait<P3_STAGES - 2>(); // this thread's copies of tile kt (and Q) landed
 		__syncthreads();          // everyone's; and every warp is done with tile kt-1's stage
-		load(kt + P3_STAGES - 1); // into that stage
 		const int k0 = kt * P3_BK;
-		if (k0 > wmax || wr0 >= L) continue; // keys past its rows, or rows past the chunk
+		const bool work = k0 <= wmax && wr0 < L; // not: keys past its rows, or rows past the chunk
 		const bf16_t *Ks = KVs + kt % P3_STAGES * 2 * P3_TILE, *Vs = Ks + P3_TILE;
 		float s[MT][P3_BK / 8][4];
+		if (work) {
 #pragma unroll
-		for (int mt = 0; mt < MT; mt++)
+			for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-			for (int nb = 0; nb < P3_BK / 8; nb++) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
+				for (int nb = 0; nb < P3_BK / 8; nb++) s[mt][nb][0] = s[mt][nb][1] = s[mt][nb][2] = s[mt][nb][3] = 0.f;
 #pragma unroll
-		for (int kk = 0; kk < HEAD_DIM / 32; kk++) {
-			u32 kb[P3_BK / 8][4]; // keys nb*8.., dims kk*32 + 8i..: k-step 2kk's b0, b1, then 2kk+1's
+			for (int kk = 0; kk < HEAD_DIM / 32; kk++) {
+				u32 kb[P3_BK / 8][4]; // keys nb*8.., dims kk*32 + 8i..: k-step 2kk's b0, b1, then 2kk+1's
 #pragma unroll
-			for (int nb = 0; nb < P3_BK / 8; nb++) ldsm4(kb[nb], Ks + (nb * 8 + (lane & 7)) * P3_PAD + kk * 32 + (lane >> 3) * 8);
+				for (int nb = 0; nb < P3_BK / 8; nb++)
+					ldsm4(kb[nb], Ks + (nb * 8 + (lane & 7)) * P3_PAD + kk * 32 + (lane >> 3) * 8);
 #pragma unroll
-			for (int hk = 0; hk < 2; hk++) {
-				u32 qa[MT][4];
+				for (int hk = 0; hk < 2; hk++) {
+					u32 qa[MT][4];
 #pragma unroll
-				for (int mt = 0; mt < MT; mt++) ldsm4(qa[mt], qs + mt * 16 * P3_PAD + kk * 32 + hk * 16);
+					for (int mt = 0; mt < MT; mt++) ldsm4(qa[mt], qs + mt * 16 * P3_PAD + kk * 32 + hk * 16);
 #pragma unroll
-				for (int mt = 0; mt < MT; mt++)
+					for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-					for (int nb = 0; nb < P3_BK / 8; nb++)
-						mma_bf16(s[mt][nb], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], kb[nb][2 * hk],
-							kb[nb][2 * hk + 1]);
+						for (int nb = 0; nb < P3_BK / 8; nb++)
+							mma_bf16(s[mt][nb], qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3], kb[nb][2 * hk],
+								kb[nb][2 * hk + 1]);
+				}
 			}
 		}
+		// the next stage's copies (into tile kt-1's, free since the barrier),
+		// issued while the tensor cores work on S
+		load(kt + P3_STAGES - 1);
+		if (!work) continue;
 		const bool diag = k0 + P3_BK - 1 > wmin;
 		float c[MT][2];
 		bool moved = false;
@@ -398,14 +410,14 @@ __device__ __forceinline__ void prefill3(bf16_t *out, const bf16_t *q, const bf1
 				mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
 				// finite: every row's first tile holds key 0 <= its position
 				const float mn = fmaxf(m[mt][hf], mx * scale_log2);
-				c[mt][hf] = exp2f(m[mt][hf] - mn);
+				c[mt][hf] = ex2(m[mt][hf] - mn);
 				moved |= mn != m[mt][hf];
 				float sum = 0.f;
 #pragma unroll
 				for (int nb = 0; nb < P3_BK / 8; nb++)
 #pragma unroll
 					for (int e = 0; e < 2; e++) {
-						float p = exp2f(fmaf(s[mt][nb][2 * hf + e], scale_log2, -mn));
+						float p = ex2(fmaf(s[mt][nb][2 * hf + e], scale_log2, -mn));
 						s[mt][nb][2 * hf + e] = p;
 						sum += p;
 					}

@@ -12,6 +12,8 @@
 #   graph   TestBenchGraph8B at qwen3-30b-a3b (decode steps, graphs; VARIANTS
 #           picks its kernel variants, default new)
 #   prefill TestBench8B at qwen3-30b-a3b (prefill TFLOP/s, eager decode)
+#   bench8b TestBench8B at llama3-8b (prefill 1K/4K/8K, eager decode;
+#           BENCH8B_VARIANTS, default v2,v2-fa2)
 #   pd      scripts/gpu/pd-tcp.sh, 8B shape, tcp and nvlink pairs (TTFT)
 #   rdma    serve --disaggregation-transfer-backend rdma with the real
 #           libibverbs and no HCA: the start-up error
@@ -134,6 +136,12 @@ if want prefill && left 100 prefill; then
 		BENCH_OUT=$O/bench-moe.txt timeout 100 "$w/internal.compute.cuda.test" -test.v -test.run 'TestBench8B$') >"$O/bench-moe.log" 2>&1
 	log "prefill qwen3-30b-a3b rc $?"
 	grep -hE "loaded|HBM|prefill|decode batch|FAIL|panic" "$O/bench-moe.log" | cut -c1-260 | tee -a "$O/run.log"
+fi
+if want bench8b && left 100 bench8b; then
+	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_VARIANTS=${BENCH8B_VARIANTS:-v2,v2-fa2} \
+		BENCH_OUT=$O/bench-8b.txt timeout ${BENCH8B_TIMEOUT:-200} "$w/internal.compute.cuda.test" -test.v -test.run 'TestBench8B$') >"$O/bench-8b.log" 2>&1
+	log "bench llama3-8b rc $?"
+	grep -hE "loaded|HBM|prefill|decode batch|FAIL|panic" "$O/bench-8b.log" | cut -c1-260 | tee -a "$O/run.log"
 fi
 if want peak && left 150 peak; then
 	d=/tmp/peak-hf

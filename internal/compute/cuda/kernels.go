@@ -347,16 +347,26 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 		return
 	}
 	if prefill3 {
-		const rows, threads = 128, 128                                  // P3_BQ, P3_WARPS * 32
-		smem := (rows*(b.cfg.HeadDim+8) + 3*2*32*(b.cfg.HeadDim+8)) * 2 // P3_SMEM
-		p, err := f.tcMod.Function("attn_prefill3")
-		if err == nil {
-			err = p.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, smem)
+		// P3_SMEM(rows / 64): the Q tile and 3 stages of 32-key K and V tiles
+		smem := func(rows int) int { return (rows + 3*2*32) * (b.cfg.HeadDim + 8) * 2 }
+		fn := func(name string, rows int) *cu.Function {
+			p, err := f.tcMod.Function(name)
+			if err == nil {
+				err = p.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, smem(rows))
+			}
+			if err != nil {
+				b.lg.Warn(name+" not available", zap.Error(err))
+				return nil
+			}
+			return p
 		}
-		if err != nil {
-			b.lg.Warn("attn_prefill3 not available; flash prefill on attn_prefill2", zap.Error(err))
-		} else {
-			f.attnFlash2, f.flash2Rows, f.flash2Threads, f.flash2Smem = p, rows, threads, smem
+		if p := fn("attn_prefill3", 128); p != nil {
+			f.attnFlash2, f.flash2Rows, f.flash2Threads, f.flash2Smem, f.flash2HeadsX = p, 128, 128, smem(128), true
+			sms, err := b.cx.MultiprocessorCount()
+			if p := fn("attn_prefill3_64", 64); p != nil && err == nil {
+				// fewer than two waves of 128-row blocks (two an SM)
+				f.flash64, f.flash64Smem, f.flash64Below = p, smem(64), 4*sms
+			}
 		}
 	}
 	if !decodeTC {
