@@ -283,8 +283,8 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 64, 8 / TC_WARPS) attn_d
 // latest (longest) tile before any shorter one. P3_WARPS warps of MT m16
 // tiles of query rows each (attn_prefill3: MT 2, 128 rows a block, so each
 // shared-memory byte read feeds twice the tensor-core work of one tile;
-// attn_prefill3_64: MT 1, 64 rows, for short prompts, where 128-row tiles
-// leave the GPU unevenly loaded). The block's Q tile is loaded once into
+// attn_prefill3_64: MT 1, 64 rows, for prefills of under one wave of
+// 128-row blocks, which leave the GPU unevenly loaded). The block's Q tile is loaded once into
 // shared memory; 32-key K and V tiles stream through P3_STAGES stages by
 // cp.async, one barrier a tile; fragments by ldmatrix (V transposed by
 // ldmatrix.trans). Per tile and row: S = Q.K^T in f32, masked past the

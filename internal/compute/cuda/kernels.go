@@ -364,8 +364,9 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 			f.attnFlash2, f.flash2Rows, f.flash2Threads, f.flash2Smem, f.flash2HeadsX = p, 128, 128, smem(128), true
 			sms, err := b.cx.MultiprocessorCount()
 			if p := fn("attn_prefill3_64", 64); p != nil && err == nil {
-				// fewer than two waves of 128-row blocks (two an SM)
-				f.flash64, f.flash64Smem, f.flash64Below = p, smem(64), 4*sms
+				// under one wave of 128-row blocks (two an SM): measured on an H200,
+				// 64-row tiles won at 1K tokens (256 blocks), lost from 2K (512)
+				f.flash64, f.flash64Smem, f.flash64Below = p, smem(64), 2*sms
 			}
 		}
 	}
