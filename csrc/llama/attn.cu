@@ -284,16 +284,16 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 64, 8 / TC_WARPS) attn_d
 // tiles of query rows each (attn_prefill3: MT 2, 128 rows a block, so each
 // shared-memory byte read feeds twice the tensor-core work of one tile;
 // attn_prefill3_64: MT 1, 64 rows, for prefills of under one wave of
-// 128-row blocks, which leave the GPU unevenly loaded). The block's Q tile is loaded once into
-// shared memory; 32-key K and V tiles stream through P3_STAGES stages by
-// cp.async, one barrier a tile; fragments by ldmatrix (V transposed by
-// ldmatrix.trans). Per tile and row: S = Q.K^T in f32, masked past the
-// row's position on tiles that cross the warp's diagonal; an online
-// softmax in exp2 units (p = exp2(s * scale_log2 - m), m the running max
-// of s * scale_log2, ex2.approx), O rescaled only when some row's max moved (a factor
-// of exactly 1 otherwise); P rounded to bf16 for P.V, the sum l over the
-// unrounded values. A warp skips tiles whose keys all lie past its rows.
-// Dynamic shared memory: P3_SMEM(MT) bytes.
+// 128-row blocks, which leave the GPU unevenly loaded). The block's Q tile
+// is loaded once into shared memory; 32-key K and V tiles stream through
+// P3_STAGES stages by cp.async, one barrier a tile; fragments by ldmatrix
+// (V transposed by ldmatrix.trans). Per tile and row: S = Q.K^T in f32,
+// masked past the row's position on tiles that cross the warp's diagonal;
+// an online softmax in exp2 units (p = ex2(s * scale_log2 - m), m the
+// running max of s * scale_log2); O rescaled only when some row's max
+// moved (the factor is exactly 1 otherwise); P rounded to bf16 for P.V, the
+// sum l over the unrounded values. A warp skips tiles whose keys all lie
+// past its rows. Dynamic shared memory: P3_SMEM(MT) bytes.
 #define P3_WARPS 4
 #define P3_BK 32
 #define P3_STAGES 3
