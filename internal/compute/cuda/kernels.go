@@ -333,6 +333,9 @@ func (b *Backend) loadKernels() error {
 // attn_decode_tc when decodeTC, attn_prefill3 when prefill3; a build NVRTC
 // rejects leaves attn_decode2 and attn_prefill2 in use.
 func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool) {
+	if !decodeTC && !prefill3 {
+		return
+	}
 	f := &b.fn
 	warps := min(defaultTCWarps, max(f.split/16, 1)) // 2 measured the same, 8 slower at large batches
 	for f.split%(16*warps) != 0 && warps > 1 {
