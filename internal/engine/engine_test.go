@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -626,6 +627,24 @@ func feed(gate chan struct{}) (stop chan struct{}) {
 		for {
 			select {
 			case gate <- struct{}{}:
+			case <-stop:
+				return
+			}
+		}
+	}()
+	return stop
+}
+
+// feedEvery is feed with a pause after each pass: after a cancel, the
+// context.AfterFunc goroutine that aborts the request gets every chance to
+// run before a fast fake could finish the request by length.
+func feedEvery(gate chan struct{}, d time.Duration) (stop chan struct{}) {
+	stop = make(chan struct{})
+	go func() {
+		for {
+			select {
+			case gate <- struct{}{}:
+				time.Sleep(d)
 			case <-stop:
 				return
 			}

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/mooncake-go/mooncake-go/internal/compute"
 	"github.com/mooncake-go/mooncake-go/internal/kvcache"
@@ -259,7 +260,7 @@ func TestOverlapAbortAndClose(t *testing.T) {
 		t.Fatalf("short request: %d tokens, finish %+v", len(short.tokens), short.finish)
 	}
 	cancel()
-	defer close(feed(gate))
+	defer close(feedEvery(gate, time.Millisecond)) // free feeding let the request reach its length first under load
 	if r := collect(t, long); r.finish.Type != "abort" || r.finish.OutputTokens == 0 {
 		t.Fatalf("cancelled request: finish %+v", r.finish)
 	}
