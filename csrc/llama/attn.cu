@@ -323,19 +323,37 @@ __device__ __forceinline__ void prefill3(bf16_t *out, const bf16_t *q, const bf1
 	}
 	const int kend = p0 + min(qt0 + BQ, L), nkt = (kend + P3_BK - 1) / P3_BK;
 	// load(kt): tile kt into its stage, one commit group (empty past the
-	// last tile, so that every iteration waits for the same count)
+	// last tile, so that every iteration waits for the same count). Thread
+	// t copies 16 bytes at column lc of rows lr, lr + RP, ... of the tile.
+	// When pages are a power of two of at least P3_BK keys, a tile lies in
+	// one page: one lookup a tile (else one a row).
+	const int RP = NT / CH, lr = tid / CH, lc = tid % CH * 8;
+	const long long goff = (long long)g * HEAD_DIM + lc, rstride = (long long)RP * KVD;
+	const bool onepage = psh >= 0 && page_size >= P3_BK;
 	auto load = [&](int kt) {
 		if (kt < nkt) {
-			bf16_t *Ks = KVs + kt % P3_STAGES * 2 * P3_TILE, *Vs = Ks + P3_TILE;
+			bf16_t *Ks = KVs + kt % P3_STAGES * 2 * P3_TILE + lr * P3_PAD + lc, *Vs = Ks + P3_TILE;
+			const int k0 = kt * P3_BK;
+			if (onepage) {
+				const long long base =
+					((long long)pt[k0 >> psh] * page_size + (k0 & (page_size - 1)) + lr) * KVD + goff;
 #pragma unroll
-			for (int i = 0; i < P3_BK * CH / NT; i++) {
-				int c = tid + i * NT, r = c / CH, cc = c % CH * 8, key = kt * P3_BK + r;
-				bool ok = key < kend;
-				int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
-				long long off =
-					ok ? ((long long)pt[pg] * page_size + in) * KVD + (long long)g * HEAD_DIM + cc : 0;
-				cp16(Ks + r * P3_PAD + cc, kc + off, ok);
-				cp16(Vs + r * P3_PAD + cc, vc + off, ok);
+				for (int i = 0; i < P3_BK / RP; i++) {
+					bool ok = k0 + lr + i * RP < kend;
+					long long off = ok ? base + i * rstride : 0;
+					cp16(Ks + i * RP * P3_PAD, kc + off, ok);
+					cp16(Vs + i * RP * P3_PAD, vc + off, ok);
+				}
+			} else {
+#pragma unroll
+				for (int i = 0; i < P3_BK / RP; i++) {
+					int key = k0 + lr + i * RP;
+					bool ok = key < kend;
+					int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
+					long long off = ok ? ((long long)pt[pg] * page_size + in) * KVD + goff : 0;
+					cp16(Ks + i * RP * P3_PAD, kc + off, ok);
+					cp16(Vs + i * RP * P3_PAD, vc + off, ok);
+				}
 			}
 		}
 		cp_commit();
