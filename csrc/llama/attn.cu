@@ -1,8 +1,11 @@
 // attn.cu: attention on bf16 tensor cores, a kernel set of its own compiled
 // by NVRTC with llama.cu's macros (HEAD_DIM, USE_BF16, GQA_GROUP, ATT_SPLIT)
 // for bf16 models without a sliding window: decode (attn_decode_tc) and
-// prefill (attn_prefill3, below). testdata/attn_emu.cpp and prefill_emu.cpp
-// run them on the host (TestAttnTCEmulated, TestAttnPrefillEmulated).
+// prefill (attn_prefill3, below; attn_prefill4 on wgmma when built for
+// sm_90a). testdata/attn_emu.cpp and prefill_emu.cpp run the first two on
+// the host (TestAttnTCEmulated, TestAttnPrefillEmulated); attn_prefill4 is
+// checked on the GPU (TestWgmmaProbe, TestFlashPrefillV1V2, the kernel
+// benchmark's prefill part against attn_prefill2).
 //
 // attn_decode_tc. The
 // split-K decode attention of llama.cu's attn_decode2 (the same arguments
@@ -504,5 +507,299 @@ extern "C" __global__ void __launch_bounds__(P3_WARPS * 32, 2) attn_prefill3(P3_
 // grid (heads, ceil(longest chunk / 64), seqs), P3_WARPS * 32 threads
 extern "C" __global__ void __launch_bounds__(P3_WARPS * 32, 3) attn_prefill3_64(P3_ARGS) {
 	prefill3<1>(out, q, kc, vc, qstart, qlen, pos0, ptoff, pages, page_size, nheads, nkv, scale_log2);
+}
+#endif
+
+#if USE_BF16 && HEAD_DIM == 128 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Hopper (sm_90a, compiled so on a compute capability 9.0 device): warpgroup
+// MMAs (wgmma) over shared memory in wgmma's 128-byte swizzled layout: a
+// [R][HEAD_DIM] tile as HEAD_DIM/64 column halves of R rows of 128 bytes, the
+// 16-byte chunks of row r permuted by XOR with r%8 (the tile 1024-byte
+// aligned: the hardware XORs address bits 4-6 with 7-9), element (r, d) at
+// sw_off(R, r, d). Without the swizzle (8x8 core matrices) ncu counted 64%
+// of the shared wavefronts as bank conflicts. As a K-major operand (rows = M
+// or N, d = K) a k-step of 16 starts 32 bytes on inside a half, SBO 1024 (8
+// rows); read N-major (rows = K, d = N: V in P.V) a k-step is 16 rows on,
+// LBO the half's size (the next 64 of N), SBO 1024 (the next 8 of K).
+__device__ __forceinline__ int sw_off(int R, int r, int d) {
+	return (d >> 6) * R * 64 + r * 64 + ((((d >> 3) & 7) ^ (r & 7)) << 3) + (d & 7);
+}
+// wg_desc: the matrix descriptor of a 128-byte swizzled tile at p.
+__device__ __forceinline__ unsigned long long wg_desc(const void *p, int lbo, int sbo) {
+	return (unsigned long long)((sm_addr(p) & 0x3FFFF) >> 4) | (unsigned long long)(lbo >> 4) << 16 |
+	       (unsigned long long)(sbo >> 4) << 32 | 1ull << 62;
+}
+// sw_base: dynamic shared memory from its first 1024-byte boundary (1 KiB
+// more is asked at launch).
+__device__ __forceinline__ bf16_t *sw_base() {
+	return (bf16_t *)(dyn_smem + ((1024 - (sm_addr(dyn_smem) & 1023)) & 1023));
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wg_wait() {
+	asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// wg_hold keeps the compiler from moving accesses of d across a wait.
+template <int N> __device__ __forceinline__ void wg_hold(float (&d)[N]) {
+#pragma unroll
+	for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+// fence_async: this thread's shared-memory writes (cp.async landed) become
+// visible to the async proxy that wgmma reads through.
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#define WG8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+// wg_ss64: d[64x64] (+)= A[64x16] . B[64x16]^T, both K-major in shared
+// memory; d as the m16n8 accumulators of warp w's rows 16w.. (d[4j..4j+3]:
+// columns 8j + 2t, +1 of rows r, r+8), zeroed first when !acc.
+__device__ __forceinline__ void wg_ss64(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
+	asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+		     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+		     : WG8(0), WG8(8), WG8(16), WG8(24)
+		     : "l"(a), "l"(b), "r"(acc));
+}
+// wg_rs128: d[64x128] += A[64x16] . B[16x128], A in registers (mma.sync's
+// m16n8k16 A fragments, warp w's rows 16w..), B N-major in shared memory.
+__device__ __forceinline__ void wg_rs128(float (&d)[64], const u32 *a, unsigned long long b) {
+	asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+		     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+		     : WG8(0), WG8(8), WG8(16), WG8(24), WG8(32), WG8(40), WG8(48), WG8(56)
+		     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}
+
+// attn_prefill4: attn_prefill3's arguments, results and grid order (heads,
+// query tiles of 128 rows, seqs) on wgmma. Block: two warpgroups of 64 query
+// rows; Q once in shared memory, 64-key K and V tiles through P4_STAGES
+// stages by cp.async (one barrier a tile, the copies two tiles ahead).
+// Per tile, a warpgroup issues S = Q.K^T (8 wgmma, async) and the previous
+// tile's O += P.V (4 wgmma, A = P from registers), then runs the online
+// softmax of S while P.V still runs on the tensor cores; O is rescaled after
+// that P.V lands. The softmax is attn_prefill3's (exp2 units, P rounded to
+// bf16 for P.V, l summed over the unrounded values), O rescaled every tile.
+// Dynamic shared memory: P4_SMEM bytes.
+#define P4_BQ 128
+#define P4_BK 64
+#define P4_STAGES 4
+#define P4_TILE (P4_BK * HEAD_DIM) // elements
+#define P4_SMEM ((P4_BQ * HEAD_DIM + P4_STAGES * 2 * P4_TILE) * 2 + 1024)
+extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill4(P3_ARGS) {
+	bf16_t *Qs = sw_base(), *KVs = Qs + P4_BQ * HEAD_DIM; // Q; [stage][K|V][P4_TILE]
+	const int b = blockIdx.z, h = blockIdx.x;
+	const int L = qlen[b], qt0 = (gridDim.y - 1 - blockIdx.y) * P4_BQ;
+	if (qt0 >= L) return;
+	const int g = h / GQA_GROUP, QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM, CH = HEAD_DIM / 8;
+	const int tid = threadIdx.x, wg = tid >> 7, wq = tid >> 5 & 3, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+	const int p0 = pos0[b];
+	const int psh = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+	const bf16_t *qb = q + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
+	const int *pt = pages + ptoff[b];
+	// 16-byte copies: CH consecutive threads take one row
+	for (int c = tid; c < P4_BQ * CH; c += 256) {
+		int r = c / CH, cc = c % CH * 8;
+		bool ok = qt0 + r < L;
+		cp16(Qs + sw_off(P4_BQ, r, cc), qb + (long long)(ok ? qt0 + r : 0) * QD + cc, ok);
+	}
+	const int kend = p0 + min(qt0 + P4_BQ, L), nkt = (kend + P4_BK - 1) / P4_BK;
+	// load(kt): thread t copies rows lrow + 16i (i < 4) at column lc; with
+	// pages of a power of two of >= P4_BK keys (one page a tile) the page of
+	// the tile after is read a tile ahead, off the critical path.
+	const int lrow = tid / CH, lc = tid % CH * 8;
+	const long long goff = (long long)g * HEAD_DIM + lc;
+	const int soff = sw_off(P4_BK, lrow, lc), RS = 16 * 64; // 16 rows on
+	const bool onepage = psh >= 0 && page_size >= P4_BK;
+	int npage = onepage ? pt[0] : 0; // the page of the next tile load() copies
+	auto load = [&](int kt) {
+		if (kt < nkt) {
+			bf16_t *Ks = KVs + (kt % P4_STAGES) * 2 * P4_TILE + soff, *Vs = Ks + P4_TILE;
+			const int k0 = kt * P4_BK;
+			if (onepage) {
+				const long long base = ((long long)npage * page_size + (k0 & (page_size - 1)) + lrow) * KVD + goff;
+				if (kt + 1 < nkt) npage = pt[(k0 + P4_BK) >> psh];
+#pragma unroll
+				for (int i = 0; i < P4_BK / 16; i++) {
+					bool ok = k0 + lrow + 16 * i < kend;
+					long long off = ok ? base + (long long)(16 * i) * KVD : 0;
+					cp16(Ks + i * RS, kc + off, ok);
+					cp16(Vs + i * RS, vc + off, ok);
+				}
+			} else {
+#pragma unroll
+				for (int i = 0; i < P4_BK / 16; i++) {
+					int key = k0 + lrow + 16 * i;
+					bool ok = key < kend;
+					int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
+					long long off = ok ? ((long long)pt[pg] * page_size + in) * KVD + goff : 0;
+					cp16(Ks + i * RS, kc + off, ok);
+					cp16(Vs + i * RS, vc + off, ok);
+				}
+			}
+		}
+		cp_commit();
+	};
+	load(0); // with Q
+	load(1);
+	const int wr0 = qt0 + wg * 64, wmin = p0 + wr0 + wq * 16; // the warpgroup's first row, the warp's first position
+	const bf16_t *Qw = Qs + wg * 64 * 64; // the warpgroup's rows in each half
+	float o[64], s[32], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, c[2];
+	u32 pa[16]; // P of a tile as P.V's A fragments (keys 16kk..: pa[4kk..4kk+3])
+#pragma unroll
+	for (int i = 0; i < 64; i++) o[i] = 0.f;
+	// No branch around a wgmma or its registers (ptxas serialises wgmma in
+	// divergent code): every warpgroup runs every tile, keys past a row's
+	// position masked (a tile wholly past a warpgroup's rows costs it work,
+	// not correctness: every row's max is finite from tile 0 on).
+	auto tile = [&](int kt) { // tile kt landed, for everyone; its stage's K
+		cp_wait<1>();
+		fence_async();
+		__syncthreads();
+		return KVs + (kt % P4_STAGES) * 2 * P4_TILE;
+	};
+	auto qk = [&](const bf16_t *Ks) {
+#pragma unroll
+		for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+			wg_ss64(s, wg_desc(Qw + (kk >> 2) * P4_BQ * 64 + (kk & 3) * 16, 16, 1024),
+				wg_desc(Ks + (kk >> 2) * P4_BK * 64 + (kk & 3) * 16, 16, 1024), kk);
+		wg_commit();
+	};
+	auto pv = [&](const bf16_t *Ks) {
+#pragma unroll
+		for (int kk = 0; kk < P4_BK / 16; kk++) wg_rs128(o, pa + 4 * kk, wg_desc(Ks + P4_TILE + kk * 16 * 64, P4_BK * 128, 1024));
+		wg_commit();
+	};
+	// softmax(k0): S of keys k0.. to P in s, the rescale factors in c.
+	auto softmax = [&](int k0) {
+#pragma unroll
+		for (int hf = 0; hf < 2; hf++) { // rows gr and gr+8 of the warp's 16
+			const int lim = wmin + gr + 8 * hf - k0 - 2 * tg; // key k0 + 8nb + 2tg + e is masked when 8nb + e > lim
+			float mx = NEG_INF;
+#pragma unroll
+			for (int nb = 0; nb < P4_BK / 8; nb++)
+#pragma unroll
+				for (int e = 0; e < 2; e++) {
+					float &v = s[4 * nb + 2 * hf + e];
+					v = 8 * nb + e > lim ? NEG_INF : v;
+					mx = fmaxf(mx, v);
+				}
+			mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+			mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+			const float mn = fmaxf(m[hf], mx * scale_log2);
+			c[hf] = ex2(m[hf] - mn);
+			float sum = 0.f;
+#pragma unroll
+			for (int i = 0; i < P4_BK / 4; i++) {
+				const int j = 4 * (i >> 1) + 2 * hf + (i & 1);
+				float p = ex2(fmaf(s[j], scale_log2, -mn));
+				s[j] = p;
+				sum += p;
+			}
+			l[hf] = l[hf] * c[hf] + sum;
+			m[hf] = mn;
+		}
+	};
+	auto pack = [&]() {
+#pragma unroll
+		for (int kk = 0; kk < P4_BK / 16; kk++) {
+			pa[4 * kk] = pack_bf16(s[8 * kk], s[8 * kk + 1]);
+			pa[4 * kk + 1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+			pa[4 * kk + 2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+			pa[4 * kk + 3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+		}
+	};
+	const bf16_t *Kp = tile(0);
+	wg_fence();
+	qk(Kp);
+	load(2);
+	wg_wait<0>();
+	wg_hold(s);
+	softmax(0);
+	pack();
+	for (int kt = 1; kt < nkt; kt++) {
+		const bf16_t *Ks = tile(kt); // and tile kt-2's stage is free (its P.V landed)
+		wg_fence();
+		qk(Ks);
+		pv(Kp); // the tile before's P.V, while this tile's S is computed and softmaxed
+		load(kt + 2);
+		wg_wait<1>();
+		wg_hold(s);
+		softmax(kt * P4_BK);
+		wg_wait<0>(); // O and pa free
+		wg_hold(o);
+#pragma unroll
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++) {
+			o[4 * nd] *= c[0];
+			o[4 * nd + 1] *= c[0];
+			o[4 * nd + 2] *= c[1];
+			o[4 * nd + 3] *= c[1];
+		}
+		pack();
+		Kp = Ks;
+	}
+	wg_fence();
+	pv(Kp); // the last tile's (its stage is never reloaded)
+	wg_wait<0>();
+	wg_hold(o);
+	cp_wait<0>(); // no copy outlives the block
+	bf16_t *ob = out + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
+#pragma unroll
+	for (int hf = 0; hf < 2; hf++) {
+		float ls = l[hf];
+		ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+		ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+		const int r = wr0 + wq * 16 + gr + 8 * hf;
+		if (r >= L) continue;
+		const float inv = 1.f / ls;
+#pragma unroll
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++)
+			*(u32 *)(ob + (long long)r * QD + nd * 8 + 2 * tg) = pack_bf16(o[4 * nd + 2 * hf] * inv, o[4 * nd + 2 * hf + 1] * inv);
+	}
+}
+
+// wgmma_probe (TestWgmmaProbe): one warpgroup, a and bm [64][HEAD_DIM] bf16
+// row-major, copied into the core-matrix layout. mode 0: d [64][64] = a .
+// bm^T as attn_prefill4's S (both K-major); mode 1: d [64][HEAD_DIM] =
+// a[:, :64] . bm as its P.V (A from registers, bm N-major).
+extern "C" __global__ void __launch_bounds__(128) wgmma_probe(float *d, const bf16_t *a, const bf16_t *bm, int mode) {
+	bf16_t *As = sw_base(), *Bs = As + 64 * HEAD_DIM;
+	const int tid = threadIdx.x, wq = tid >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+	for (int i = tid; i < 64 * HEAD_DIM; i += 128) {
+		As[sw_off(64, i / HEAD_DIM, i % HEAD_DIM)] = a[i];
+		Bs[sw_off(64, i / HEAD_DIM, i % HEAD_DIM)] = bm[i];
+	}
+	fence_async();
+	__syncthreads();
+	if (mode == 0) {
+		float s[32];
+		wg_fence();
+#pragma unroll
+		for (int kk = 0; kk < HEAD_DIM / 16; kk++)
+			wg_ss64(s, wg_desc(As + (kk >> 2) * 64 * 64 + (kk & 3) * 16, 16, 1024),
+				wg_desc(Bs + (kk >> 2) * 64 * 64 + (kk & 3) * 16, 16, 1024), kk);
+		wg_commit();
+		wg_wait<0>();
+		wg_hold(s);
+		for (int j = 0; j < 8; j++)
+			for (int i = 0; i < 4; i++)
+				d[(wq * 16 + gr + 8 * (i >> 1)) * 64 + j * 8 + 2 * tg + (i & 1)] = s[4 * j + i];
+		return;
+	}
+	float o[64];
+	u32 pa[16];
+	for (int i = 0; i < 64; i++) o[i] = 0.f;
+	const bf16_t *ar = a + (wq * 16 + gr) * HEAD_DIM;
+	for (int kk = 0; kk < 4; kk++)
+		for (int i = 0; i < 4; i++) { // rows gr, gr+8; keys 16kk + 2tg (+8)
+			const bf16_t *x = ar + (i & 1) * 8 * HEAD_DIM + 16 * kk + 2 * tg + (i >> 1) * 8;
+			pa[4 * kk + i] = (u32)x[0] | (u32)x[1] << 16;
+		}
+	wg_fence();
+#pragma unroll
+	for (int kk = 0; kk < 4; kk++) {
+		wg_rs128(o, pa + 4 * kk, wg_desc(Bs + kk * 16 * 64, 64 * 128, 1024));
+	}
+	wg_commit();
+	wg_wait<0>();
+	wg_hold(o);
+	for (int j = 0; j < 16; j++)
+		for (int i = 0; i < 4; i++)
+			d[(wq * 16 + gr + 8 * (i >> 1)) * HEAD_DIM + j * 8 + 2 * tg + (i & 1)] = o[4 * j + i];
 }
 #endif

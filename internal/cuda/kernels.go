@@ -133,6 +133,24 @@ func (k *Kernels) Load(c *Context, name string, opts ...string) (*Module, error)
 	return k.LoadSource(c, name, src, opts...)
 }
 
+// LoadSourceSpecific is LoadSource for the device's architecture-specific
+// target (sm_90a on a compute capability 9.0 device: wgmma, setmaxnreg),
+// whose CUBIN loads on that architecture alone; no PTX fallback.
+func (k *Kernels) LoadSourceSpecific(c *Context, name, src string, opts ...string) (*Module, error) {
+	major, minor, err := c.dev.ComputeCapability()
+	if err != nil {
+		return nil, err
+	}
+	if major < 9 {
+		return nil, fmt.Errorf("cuda: %s: no architecture-specific target below compute capability 9.0 (device %d.%d)", name, major, minor)
+	}
+	img, err := k.Compile(name, src, Arch(major, minor, false)+"a", opts...)
+	if err != nil {
+		return nil, err
+	}
+	return c.LoadModule(img)
+}
+
 // LoadSource is Load for source held elsewhere.
 func (k *Kernels) LoadSource(c *Context, name, src string, opts ...string) (*Module, error) {
 	major, minor, err := c.dev.ComputeCapability()

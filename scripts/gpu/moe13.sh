@@ -31,6 +31,8 @@
 #   kernels TestKernelBench8B: the 8B shape's decode kernels one by one
 #           (us and % of HBM; attention at batch 1..256, ctx 1K..32K)
 #   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression; DENSE_VARIANTS, DENSE_TIMEOUT)
+#   sass    nvcc -Xptxas -v over attn.cu for sm_90a: registers, spills and
+#           ptxas's warnings (wgmma serialised) for attn_prefill4
 # TESTS overrides the tests stage's -test.run pattern (TESTS_TIMEOUT its 200 s).
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
@@ -47,6 +49,13 @@ t() { # name dir bin timeout run
 if want tests; then
 	t cuda internal/compute/cuda internal.compute.cuda.test "${TESTS_TIMEOUT:-200}" "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestFusedMoE|TestKernelsV2}"
 	grep -h "second-generation kernels rejected" "$O/cuda.log" | head -3 | cut -c1-600 | tee -a "$O/run.log"
+fi
+if want sass; then
+	NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null | head -1)
+	timeout 120 $NVCC -cubin -arch=sm_90a -DHEAD_DIM=128 -DUSE_BF16=1 -DGQA_GROUP=4 -DATT_SPLIT=128 -DTC_WARPS=4 \
+		-Xptxas -v -o "$w/attn90a.cubin" "$root/csrc/llama/attn.cu" >"$O/sass.log" 2>&1
+	log "nvcc attn.cu sm_90a rc $?"
+	grep -iE -A2 "warn|error|'attn_prefill4'|'wgmma_probe'" "$O/sass.log" | grep -vE "^--$" | head -24 | cut -c1-250 | tee -a "$O/run.log"
 fi
 if want rdma && [ -x "$w/mooncake-go" ]; then
 	timeout 20 "$w/mooncake-go" serve --log-level error --disaggregation-transfer-backend rdma >"$O/rdma.log" 2>&1

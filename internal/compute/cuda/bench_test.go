@@ -102,6 +102,7 @@ func TestBench8B(t *testing.T) {
 	}{
 		{"v2", tuning{}},
 		{"v2-fa2", tuning{flashV2: true}},
+		{"v2-p3", tuning{flashV3: true}},
 		{"v2-cublas-decode", tuning{gemvMax: -1}},
 		{"v1", tuning{noV2: true, split: 256}},
 	} {

@@ -260,15 +260,15 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		}
 	}
 	if f := &b.fn; p.np > 0 && f.attnFlash2 != nil {
-		fn, rows, smem := f.attnFlash2, f.flash2Rows, f.flash2Smem
+		fn, rows, smem, threads := f.attnFlash2, f.flash2Rows, f.flash2Smem, f.flash2Threads
 		if tiles := ceilDiv(p.maxPrefill, rows); f.flash64 != nil && tiles*c.Heads*p.np < f.flash64Below {
-			fn, rows, smem = f.flash64, 64, f.flash64Smem
+			fn, rows, smem, threads = f.flash64, 64, f.flash64Smem, flash64Threads
 		}
 		grid := cu.Dim3{X: uint32(ceilDiv(p.maxPrefill, rows)), Y: uint32(c.Heads), Z: uint32(p.np)}
 		if f.flash2HeadsX {
 			grid.X, grid.Y = grid.Y, grid.X
 		}
-		r.launch(fn, grid, cu.D1(uint32(f.flash2Threads)), uint32(smem), d.att, d.q, kc, vc, lp.meta(p.pStart), lp.meta(p.pLen),
+		r.launch(fn, grid, cu.D1(uint32(threads)), uint32(smem), d.att, d.q, kc, vc, lp.meta(p.pStart), lp.meta(p.pLen),
 			lp.meta(p.pPos0), lp.meta(p.pPtoff), lp.meta(p.pages), int32(b.layout.PageSize), int32(c.Heads), int32(c.KVHeads),
 			lp.scaleLog2)
 	} else if p.np > 0 {

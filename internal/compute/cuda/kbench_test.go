@@ -767,16 +767,17 @@ func (k *kbench) attention() {
 // prefill times the flash prefill attention of one layer (one sequence, no
 // cached prefix) at 1K..8K tokens (MOONCAKE_KBENCH_PREFILL, e.g.
 // "2048,16384", picks others): attn_prefill3 of 128-row and of 64-row tiles
-// against llama.cu's attn_prefill2, in TFLOP/s counted over the causal half
-// (4 x head dim x heads x L(L+1)/2), and checks that they agree.
+// and attn_prefill4 (wgmma) against llama.cu's attn_prefill2, in TFLOP/s
+// counted over the causal half (4 x head dim x heads x L(L+1)/2), and checks
+// that they agree.
 func (k *kbench) prefill() {
 	b := k.b
 	c := &b.cfg
 	f := &b.fn
 	hd, qd, kvd := c.HeadDim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim
-	if f.attnFlash2 == nil || f.flash2Rows != 128 || !f.flash2HeadsX || f.flash64 == nil {
-		k.fail("attn_prefill3 not loaded (flash rows %d, heads on x %v, 64-row kernel %v)", f.flash2Rows, f.flash2HeadsX,
-			f.flash64 != nil)
+	if f.attnFlash2 == nil || f.flash2Rows != 128 || !f.flash2HeadsX || f.flash64 == nil || f.flash3 == nil {
+		k.fail("attn_prefill3/4 not loaded (flash rows %d, heads on x %v, 64-row kernel %v, attn_prefill4 %v: %v)",
+			f.flash2Rows, f.flash2HeadsX, f.flash64 != nil, f.flash3 != nil, f.hopperErr)
 		return
 	}
 	p2 := k.fn("attn_prefill2") // 8 warps: its shared-memory attribute was raised at load
@@ -799,7 +800,7 @@ func (k *kbench) prefill() {
 	k.randT(vc, uint64(npg*ps*kvd), 52, 1)
 	q := k.alloc(uint64(maxL * qd * 2))
 	k.randT(q, uint64(maxL*qd), 53, 1)
-	var out [3]cu.DevicePtr
+	var out [4]cu.DevicePtr
 	for i := range out {
 		out[i] = k.alloc(uint64(maxL * qd * 2))
 	}
@@ -814,26 +815,30 @@ func (k *kbench) prefill() {
 	k.put(pages, pg)
 	scaleLog2 := float32(1 / math.Sqrt(float64(hd)) * math.Log2E)
 	k.add("")
-	k.add("| flash prefill, one layer | tokens | attn_prefill2 us (TFLOP/s) | attn_prefill3 us (TFLOP/s) | attn_prefill3_64 us (TFLOP/s) | vs attn_prefill2 |")
-	k.add("| --- | --- | --- | --- | --- | --- |")
+	k.add("| flash prefill, one layer | tokens | attn_prefill2 us (TFLOP/s) | attn_prefill3 us (TFLOP/s) | attn_prefill3_64 us (TFLOP/s) | attn_prefill4 us (TFLOP/s) | vs attn_prefill2 |")
+	k.add("| --- | --- | --- | --- | --- | --- | --- |")
 	for _, L := range lens {
 		k.put(qlen, []int32{int32(L)})
 		args := func(o cu.DevicePtr) []any {
 			return []any{o, q, kc, vc, qstart, qlen, pos0, ptoff, pages, int32(ps), int32(c.Heads), int32(c.KVHeads), scaleLog2}
 		}
 		heads := uint32(c.Heads)
-		run := [3]func(int){
+		run := [4]func(int){
 			func(int) {
 				k.launch(p2, cu.Dim3{X: uint32(ceilDiv(L, 128)), Y: heads, Z: 1}, cu.D1(256), uint32(2*2*64*(hd+8)*2), args(out[0])...)
 			},
 			func(int) {
-				k.launch(f.attnFlash2, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 128)), Z: 1}, cu.D1(128), uint32(f.flash2Smem), args(out[1])...)
+				k.launch(f.flash3, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 128)), Z: 1}, cu.D1(128), uint32(f.flash3Smem), args(out[1])...)
 			},
 			func(int) {
-				k.launch(f.flash64, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 64)), Z: 1}, cu.D1(128), uint32(f.flash64Smem), args(out[2])...)
+				k.launch(f.flash64, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 64)), Z: 1}, cu.D1(flash64Threads), uint32(f.flash64Smem), args(out[2])...)
+			},
+			func(int) {
+				k.launch(f.attnFlash2, cu.Dim3{X: heads, Y: uint32(ceilDiv(L, 128)), Z: 1}, cu.D1(uint32(f.flash2Threads)),
+					uint32(f.flash2Smem), args(out[3])...)
 			},
 		}
-		var got [3][]float32
+		var got [4][]float32
 		for i := range run {
 			if err := b.stream.MemsetD8(out[i], 0xff, uint64(L*qd*2)); err != nil { // bf16 NaN: unwritten rows show
 				k.t.Fatal(err)
@@ -842,7 +847,7 @@ func (k *kbench) prefill() {
 			got[i] = bf16s(k.get(out[i], uint64(L*qd*2)))
 		}
 		verdict := ""
-		for i := 1; i < 3; i++ {
+		for i := 1; i < len(run); i++ {
 			nan := 0
 			for _, v := range got[i] {
 				if v != v {
@@ -856,13 +861,13 @@ func (k *kbench) prefill() {
 			verdict += fmt.Sprintf("%.1e ", e)
 		}
 		flops := 4 * float64(hd*c.Heads) * float64(L) * float64(L+1) / 2
-		var us [3]float64
+		var us [4]float64
 		for i := range run {
 			us[i] = k.time(10, run[i])
 		}
 		tf := func(u float64) float64 { return flops / (u * 1e-6) / 1e12 }
-		k.add("| flash prefill | %d | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) | rel err %s|", L, us[0], tf(us[0]), us[1], tf(us[1]),
-			us[2], tf(us[2]), verdict)
+		k.add("| flash prefill | %d | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) | rel err %s|", L, us[0], tf(us[0]),
+			us[1], tf(us[1]), us[2], tf(us[2]), us[3], tf(us[3]), verdict)
 	}
 }
 

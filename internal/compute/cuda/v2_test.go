@@ -58,13 +58,16 @@ func TestFlashPrefillV1V2(t *testing.T) {
 	const per = 48
 	v1 := newOrSkip(t, m, Options{PageSize: 16, Pages: per * len(prompts), tune: tuning{noV2: true}})
 	g1 := runBatch(t, v1, prompts, chunks, 3, per)
-	for _, tu := range []tuning{{}, {flashV2: true}, {flashV2: true, flashWarps: 4}} {
+	for _, tu := range []tuning{{}, {flashV3: true}, {flashV2: true}, {flashV2: true, flashWarps: 4}} {
 		v2 := newOrSkip(t, m, Options{PageSize: 16, Pages: per * len(prompts), tune: tu})
 		if v2.fn.v2Err != nil {
 			t.Fatalf("MC_V2 build rejected: %v", v2.fn.v2Err)
 		}
 		if p3 := v2.fn.flash2HeadsX; p3 == tu.flashV2 {
 			t.Fatalf("%+v: flash prefill of %d rows, %d threads: attn_prefill3 %v", tu, v2.fn.flash2Rows, v2.fn.flash2Threads, p3)
+		}
+		if p4, want := v2.fn.flash3 != nil, !tu.flashV2 && !tu.flashV3 && hopper(t, v2); p4 != want {
+			t.Fatalf("%+v: attn_prefill4 loaded %v, want %v (%v)", tu, p4, want, v2.fn.hopperErr)
 		}
 		g2 := runBatch(t, v2, prompts, chunks, 3, per)
 		for i := range prompts {
