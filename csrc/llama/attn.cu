@@ -566,91 +566,119 @@ __device__ __forceinline__ void wg_rs128(float (&d)[64], const u32 *a, unsigned 
 		     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-// attn_prefill4: attn_prefill3's arguments, results and grid order (heads,
-// query tiles of 128 rows, seqs) on wgmma. Block: two warpgroups of 64 query
-// rows; Q once in shared memory, 64-key K and V tiles through P4_STAGES
-// stages by cp.async (one barrier a tile, the copies two tiles ahead).
-// Per tile, a warpgroup issues S = Q.K^T (8 wgmma, async) and the previous
-// tile's O += P.V (4 wgmma, A = P from registers), then runs the online
-// softmax of S while P.V still runs on the tensor cores; O is rescaled after
-// that P.V lands. The softmax is attn_prefill3's (exp2 units, P rounded to
-// bf16 for P.V, l summed over the unrounded values), O rescaled every tile.
-// Dynamic shared memory: P4_SMEM bytes.
 #define P4_BQ 128
 #define P4_BK 64
 #define P4_STAGES 4
 #define P4_TILE (P4_BK * HEAD_DIM) // elements
-#define P4_SMEM ((P4_BQ * HEAD_DIM + P4_STAGES * 2 * P4_TILE) * 2 + 1024)
-extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill4(P3_ARGS) {
+#define P4_SMEM ((P4_BQ * HEAD_DIM + P4_STAGES * 2 * P4_TILE) * 2 + 2 * P4_STAGES * 8 + 1024)
+
+// mbarriers (shared::cta): mb_init with the arrivals a phase takes, mb_arrive
+// one of them, mb_cp_arrive one that lands when this thread's cp.async
+// copies so far have, mb_wait until the phase of parity ph has completed.
+__device__ __forceinline__ void mb_init(unsigned long long *b, int n) {
+	asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(sm_addr(b)), "r"(n) : "memory");
+}
+__device__ __forceinline__ void mb_arrive(unsigned long long *b) {
+	unsigned long long st;
+	asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];\n" : "=l"(st) : "r"(sm_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mb_cp_arrive(unsigned long long *b) {
+	asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(sm_addr(b)) : "memory");
+}
+__device__ __forceinline__ void mb_wait(unsigned long long *b, int ph) {
+	u32 ok = 0;
+	while (!ok)
+		asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+			     : "=r"(ok)
+			     : "r"(sm_addr(b)), "r"(ph)
+			     : "memory");
+}
+// attn_prefill4: attn_prefill3's arguments, results and grid order (heads,
+// query tiles of 128 rows, seqs) on wgmma, FlashAttention-3's design without
+// TMA (the pages are gathered). Block: two consumer warpgroups of 64 query
+// rows and a producer warpgroup (threads 256..383) that copies Q and the
+// 64-key K and V tiles by cp.async through P4_STAGES stages, each with a
+// full mbarrier (landed with the copies) and an empty one (both consumers'
+// P.V of it landed), so no block-wide barrier couples the consumers (a
+// barrier a tile measured 10% slower; taking turns to issue the MMAs, as
+// FA3's ping-pong does, gained nothing on top).
+// Per tile, a consumer issues S = Q.K^T (8 wgmma, async) and the previous
+// tile's O += P.V (4 wgmma, A = P from registers), then runs the online
+// softmax of S while that P.V still runs on the tensor cores; O is rescaled
+// after it lands. The softmax is attn_prefill3's (exp2 units, P rounded to
+// bf16 for P.V, l summed over the unrounded values), O rescaled every tile.
+// No branch around a wgmma or its registers (ptxas serialises wgmma in
+// divergent code): every consumer runs every tile, keys past a row's
+// position masked (a tile wholly past a warpgroup's rows costs it work, not
+// correctness: every row's max is finite from tile 0 on).
+// grid (heads, ceil(longest chunk / 128), seqs), 384 threads, P4_SMEM bytes.
+extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 	bf16_t *Qs = sw_base(), *KVs = Qs + P4_BQ * HEAD_DIM; // Q; [stage][K|V][P4_TILE]
+	unsigned long long *full = (unsigned long long *)(KVs + P4_STAGES * 2 * P4_TILE), *empty = full + P4_STAGES;
 	const int b = blockIdx.z, h = blockIdx.x;
 	const int L = qlen[b], qt0 = (gridDim.y - 1 - blockIdx.y) * P4_BQ;
 	if (qt0 >= L) return;
 	const int g = h / GQA_GROUP, QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM, CH = HEAD_DIM / 8;
 	const int tid = threadIdx.x, wg = tid >> 7, wq = tid >> 5 & 3, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
 	const int p0 = pos0[b];
-	const int psh = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
-	const bf16_t *qb = q + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
-	const int *pt = pages + ptoff[b];
-	// 16-byte copies: CH consecutive threads take one row
-	for (int c = tid; c < P4_BQ * CH; c += 256) {
-		int r = c / CH, cc = c % CH * 8;
-		bool ok = qt0 + r < L;
-		cp16(Qs + sw_off(P4_BQ, r, cc), qb + (long long)(ok ? qt0 + r : 0) * QD + cc, ok);
-	}
 	const int kend = p0 + min(qt0 + P4_BQ, L), nkt = (kend + P4_BK - 1) / P4_BK;
-	// load(kt): thread t copies rows lrow + 16i (i < 4) at column lc; with
-	// pages of a power of two of >= P4_BK keys (one page a tile) the page of
-	// the tile after is read a tile ahead, off the critical path.
-	const int lrow = tid / CH, lc = tid % CH * 8;
-	const long long goff = (long long)g * HEAD_DIM + lc;
-	const int soff = sw_off(P4_BK, lrow, lc), RS = 16 * 64; // 16 rows on
-	const bool onepage = psh >= 0 && page_size >= P4_BK;
-	int npage = onepage ? pt[0] : 0; // the page of the next tile load() copies
-	auto load = [&](int kt) {
-		if (kt < nkt) {
-			bf16_t *Ks = KVs + (kt % P4_STAGES) * 2 * P4_TILE + soff, *Vs = Ks + P4_TILE;
-			const int k0 = kt * P4_BK;
-			if (onepage) {
-				const long long base = ((long long)npage * page_size + (k0 & (page_size - 1)) + lrow) * KVD + goff;
-				if (kt + 1 < nkt) npage = pt[(k0 + P4_BK) >> psh];
-#pragma unroll
-				for (int i = 0; i < P4_BK / 16; i++) {
-					bool ok = k0 + lrow + 16 * i < kend;
-					long long off = ok ? base + (long long)(16 * i) * KVD : 0;
-					cp16(Ks + i * RS, kc + off, ok);
-					cp16(Vs + i * RS, vc + off, ok);
-				}
-			} else {
-#pragma unroll
-				for (int i = 0; i < P4_BK / 16; i++) {
-					int key = k0 + lrow + 16 * i;
-					bool ok = key < kend;
-					int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
-					long long off = ok ? ((long long)pt[pg] * page_size + in) * KVD + goff : 0;
-					cp16(Ks + i * RS, kc + off, ok);
-					cp16(Vs + i * RS, vc + off, ok);
-				}
-			}
+	if (tid == 0) {
+		for (int i = 0; i < P4_STAGES; i++) {
+			mb_init(full + i, 128);
+			mb_init(empty + i, 256);
 		}
-		cp_commit();
-	};
-	load(0); // with Q
-	load(1);
-	const int wr0 = qt0 + wg * 64, wmin = p0 + wr0 + wq * 16; // the warpgroup's first row, the warp's first position
-	const bf16_t *Qw = Qs + wg * 64 * 64; // the warpgroup's rows in each half
+		asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+	}
+	__syncthreads();
+	if (wg == 2) { // the producer
+		const int t = tid - 256;
+		const int psh = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
+		const bf16_t *qb = q + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
+		const int *pt = pages + ptoff[b];
+		for (int c = t; c < P4_BQ * CH; c += 128) {
+			int r = c / CH, cc = c % CH * 8;
+			bool ok = qt0 + r < L;
+			cp16(Qs + sw_off(P4_BQ, r, cc), qb + (long long)(ok ? qt0 + r : 0) * QD + cc, ok);
+		}
+		const int lrow = t / CH, lc = t % CH * 8; // rows lrow + 8i
+		const long long goff = (long long)g * HEAD_DIM + lc;
+		const int soff = sw_off(P4_BK, lrow, lc), RS = 8 * 64;
+		const bool onepage = psh >= 0 && page_size >= P4_BK;
+		for (int kt = 0; kt < nkt; kt++) {
+			const int st = kt % P4_STAGES, k0 = kt * P4_BK;
+			mb_wait(empty + st, (kt / P4_STAGES & 1) ^ 1); // its tile kt-P4_STAGES consumed (passes at once at first)
+			bf16_t *Ks = KVs + st * 2 * P4_TILE + soff, *Vs = Ks + P4_TILE;
+			const long long base =
+				onepage ? ((long long)pt[k0 >> psh] * page_size + (k0 & (page_size - 1)) + lrow) * KVD + goff : 0;
+#pragma unroll
+			for (int i = 0; i < P4_BK / 8; i++) {
+				int key = k0 + lrow + 8 * i;
+				bool ok = key < kend;
+				long long off;
+				if (onepage)
+					off = base + (long long)(8 * i) * KVD;
+				else {
+					int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
+					off = ok ? ((long long)pt[pg] * page_size + in) * KVD + goff : 0;
+				}
+				off = ok ? off : 0;
+				cp16(Ks + i * RS, kc + off, ok);
+				cp16(Vs + i * RS, vc + off, ok);
+			}
+			mb_cp_arrive(full + st);
+		}
+		cp_wait<0>(); // no copy outlives the block
+		return;
+	}
+	const int wr0 = qt0 + wg * 64, wmin = p0 + wr0 + wq * 16;
+	const bf16_t *Qw = Qs + wg * 64 * 64;
 	float o[64], s[32], m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, c[2];
-	u32 pa[16]; // P of a tile as P.V's A fragments (keys 16kk..: pa[4kk..4kk+3])
+	u32 pa[16];
 #pragma unroll
 	for (int i = 0; i < 64; i++) o[i] = 0.f;
-	// No branch around a wgmma or its registers (ptxas serialises wgmma in
-	// divergent code): every warpgroup runs every tile, keys past a row's
-	// position masked (a tile wholly past a warpgroup's rows costs it work,
-	// not correctness: every row's max is finite from tile 0 on).
-	auto tile = [&](int kt) { // tile kt landed, for everyone; its stage's K
-		cp_wait<1>();
+	auto tile = [&](int kt) { // tile kt landed; its stage's K
+		mb_wait(full + kt % P4_STAGES, kt / P4_STAGES & 1);
 		fence_async();
-		__syncthreads();
 		return KVs + (kt % P4_STAGES) * 2 * P4_TILE;
 	};
 	auto qk = [&](const bf16_t *Ks) {
@@ -665,11 +693,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill4(P3_ARGS) {
 		for (int kk = 0; kk < P4_BK / 16; kk++) wg_rs128(o, pa + 4 * kk, wg_desc(Ks + P4_TILE + kk * 16 * 64, P4_BK * 128, 1024));
 		wg_commit();
 	};
-	// softmax(k0): S of keys k0.. to P in s, the rescale factors in c.
 	auto softmax = [&](int k0) {
 #pragma unroll
-		for (int hf = 0; hf < 2; hf++) { // rows gr and gr+8 of the warp's 16
-			const int lim = wmin + gr + 8 * hf - k0 - 2 * tg; // key k0 + 8nb + 2tg + e is masked when 8nb + e > lim
+		for (int hf = 0; hf < 2; hf++) {
+			const int lim = wmin + gr + 8 * hf - k0 - 2 * tg;
 			float mx = NEG_INF;
 #pragma unroll
 			for (int nb = 0; nb < P4_BK / 8; nb++)
@@ -707,22 +734,21 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill4(P3_ARGS) {
 	const bf16_t *Kp = tile(0);
 	wg_fence();
 	qk(Kp);
-	load(2);
 	wg_wait<0>();
 	wg_hold(s);
 	softmax(0);
 	pack();
 	for (int kt = 1; kt < nkt; kt++) {
-		const bf16_t *Ks = tile(kt); // and tile kt-2's stage is free (its P.V landed)
+		const bf16_t *Ks = tile(kt);
 		wg_fence();
 		qk(Ks);
-		pv(Kp); // the tile before's P.V, while this tile's S is computed and softmaxed
-		load(kt + 2);
+		pv(Kp);
 		wg_wait<1>();
 		wg_hold(s);
 		softmax(kt * P4_BK);
-		wg_wait<0>(); // O and pa free
+		wg_wait<0>();
 		wg_hold(o);
+		mb_arrive(empty + (kt - 1) % P4_STAGES); // tile kt-1 read
 #pragma unroll
 		for (int nd = 0; nd < HEAD_DIM / 8; nd++) {
 			o[4 * nd] *= c[0];
@@ -734,10 +760,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) attn_prefill4(P3_ARGS) {
 		Kp = Ks;
 	}
 	wg_fence();
-	pv(Kp); // the last tile's (its stage is never reloaded)
+	pv(Kp); // the last tile's
 	wg_wait<0>();
 	wg_hold(o);
-	cp_wait<0>(); // no copy outlives the block
 	bf16_t *ob = out + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
 #pragma unroll
 	for (int hf = 0; hf < 2; hf++) {

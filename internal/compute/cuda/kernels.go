@@ -394,9 +394,9 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 			}
 		}
 		if hopper && f.attnFlash2 != nil {
-			// P4_SMEM: the Q tile and 4 stages of 64-key K and V tiles, from a
-			// 1024-byte boundary
-			const p4Smem = (128*128+4*2*64*128)*2 + 1024
+			// P4_SMEM: the Q tile, 4 stages of 64-key K and V tiles and their
+			// two mbarriers, from a 1024-byte boundary
+			const p4Smem = (128*128+4*2*64*128)*2 + 2*4*8 + 1024
 			p, err := f.tcMod.Function("attn_prefill4")
 			if err == nil {
 				err = p.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, p4Smem)
@@ -406,7 +406,7 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 				b.lg.Warn("attn_prefill4 not available", zap.Error(err))
 			} else {
 				f.flash3, f.flash3Smem = f.attnFlash2, f.flash2Smem
-				f.attnFlash2, f.flash2Threads, f.flash2Smem = p, 256, p4Smem
+				f.attnFlash2, f.flash2Threads, f.flash2Smem = p, 384, p4Smem
 				// faster than attn_prefill3_64 at every length measured (H200: 33
 				// vs 54 us a layer at 1K tokens)
 				f.flash64Below = 0
