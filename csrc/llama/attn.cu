@@ -510,8 +510,9 @@ extern "C" __global__ void __launch_bounds__(P3_WARPS * 32, 3) attn_prefill3_64(
 }
 #endif
 
-#if USE_BF16 && HEAD_DIM == 128 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Hopper (sm_90a, compiled so on a compute capability 9.0 device): warpgroup
+#if USE_BF16 && HEAD_DIM == 128 && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(EMU_HOPPER))
+// Hopper (sm_90a, compiled so on a compute capability 9.0 device; on the
+// host, testdata/cudaemu.h's emulation under EMU_HOPPER): warpgroup
 // MMAs (wgmma) over shared memory in wgmma's 128-byte swizzled layout: a
 // [R][HEAD_DIM] tile as HEAD_DIM/64 column halves of R rows of 128 bytes, the
 // 16-byte chunks of row r permuted by XOR with r%8 (the tile 1024-byte
@@ -534,6 +535,7 @@ __device__ __forceinline__ unsigned long long wg_desc(const void *p, int lbo, in
 __device__ __forceinline__ bf16_t *sw_base() {
 	return (bf16_t *)(dyn_smem + ((1024 - (sm_addr(dyn_smem) & 1023)) & 1023));
 }
+#ifdef __CUDA_ARCH__ // (cudaemu.h has the host's)
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wg_wait() {
@@ -566,12 +568,6 @@ __device__ __forceinline__ void wg_rs128(float (&d)[64], const u32 *a, unsigned 
 		     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-#define P4_BQ 128
-#define P4_BK 64
-#define P4_STAGES 4
-#define P4_TILE (P4_BK * HEAD_DIM) // elements
-#define P4_SMEM ((P4_BQ * HEAD_DIM + P4_STAGES * 2 * P4_TILE) * 2 + 2 * P4_STAGES * 8 + 1024)
-
 // mbarriers (shared::cta): mb_init with the arrivals a phase takes, mb_arrive
 // one of them, mb_cp_arrive one that lands when this thread's cp.async
 // copies so far have, mb_wait until the phase of parity ph has completed.
@@ -585,6 +581,7 @@ __device__ __forceinline__ void mb_arrive(unsigned long long *b) {
 __device__ __forceinline__ void mb_cp_arrive(unsigned long long *b) {
 	asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(sm_addr(b)) : "memory");
 }
+__device__ __forceinline__ void mb_fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 __device__ __forceinline__ void mb_wait(unsigned long long *b, int ph) {
 	u32 ok = 0;
 	while (!ok)
@@ -593,6 +590,14 @@ __device__ __forceinline__ void mb_wait(unsigned long long *b, int ph) {
 			     : "r"(sm_addr(b)), "r"(ph)
 			     : "memory");
 }
+#endif
+
+#define P4_BQ 128
+#define P4_BK 64
+#define P4_STAGES 4
+#define P4_TILE (P4_BK * HEAD_DIM) // elements
+#define P4_SMEM ((P4_BQ * HEAD_DIM + P4_STAGES * 2 * P4_TILE) * 2 + 2 * P4_STAGES * 8 + 1024)
+
 // attn_prefill4: attn_prefill3's arguments, results and grid order (heads,
 // query tiles of 128 rows, seqs) on wgmma, FlashAttention-3's design without
 // TMA (the pages are gathered). Block: two consumer warpgroups of 64 query
@@ -627,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 			mb_init(full + i, 128);
 			mb_init(empty + i, 256);
 		}
-		asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+		mb_fence_init();
 	}
 	__syncthreads();
 	if (wg == 2) { // the producer

@@ -169,10 +169,14 @@ func checkAttnTC(t *testing.T, bin string, group, split, nkv, ps int, wide bool,
 // out; cp.async copies at once) against causal attention in float64 over
 // the same bf16 q, K and V: each row's output within 5e-3 relative (P is
 // rounded to bf16, the output to bf16), rows outside every chunk left
-// alone; the 128-row and the 64-row kernel. Shapes: head dims 128 and 64, 1 and 4 query heads per KV head,
-// pages of 16, 48 and 64 in a random order, chunks of 1 to 257 rows with and
-// without earlier keys in the cache (pos0), query tiles partly past a
-// chunk's end, warps whose rows all lie past it.
+// alone; the 128-row and the 64-row kernel, and at head dim 128
+// attn_prefill4 (wgmma reading the swizzled tiles through their
+// descriptors, as TestWgmmaProbe checks them on an H200; its producer and
+// consumers ordered by the emulated mbarriers). Shapes: head dims 128 and
+// 64, 1, 2 and 4 query heads per KV head, pages of 16, 48 and 64 in a random
+// order, chunks of 1 to 300 rows with and without earlier keys in the cache
+// (pos0), more key tiles than attn_prefill4 has stages, query tiles partly
+// past a chunk's end, warps whose rows all lie past it.
 func TestAttnPrefillEmulated(t *testing.T) {
 	src, _ := filepath.Abs("../../../csrc/llama/attn.cu")
 	for _, tc := range []struct {
@@ -180,20 +184,25 @@ func TestAttnPrefillEmulated(t *testing.T) {
 		qlen, pos0         []int
 	}{
 		{128, 4, 1, 16, []int{200, 130, 1, 37}, []int{0, 70, 33, 0}},
+		{128, 2, 2, 64, []int{300, 64, 129}, []int{0, 200, 64}}, // one page a 64-key tile
 		{64, 1, 2, 64, []int{257, 64}, []int{0, 100}},
 		{64, 2, 1, 48, []int{100, 5}, []int{30, 0}}, // pages of no power of two
 	} {
 		t.Run(fmt.Sprintf("hd%d-group%d-ps%d", tc.hd, tc.group, tc.ps), func(t *testing.T) {
 			bin := emuCompile(t, "prefill_emu", fmt.Sprintf("-DHEAD_DIM=%d", tc.hd), "-DUSE_BF16=1",
-				fmt.Sprintf("-DGQA_GROUP=%d", tc.group), "-DATT_SPLIT=128", `-DATTN_CU="`+src+`"`)
-			for _, rows64 := range []bool{false, true} {
-				checkAttnPrefill(t, bin, tc.hd, tc.group, tc.nkv, tc.ps, tc.qlen, tc.pos0, rows64)
+				fmt.Sprintf("-DGQA_GROUP=%d", tc.group), "-DATT_SPLIT=128", "-DEMU_HOPPER=1", `-DATTN_CU="`+src+`"`)
+			kernels := []int{0, 1} // attn_prefill3, _64
+			if tc.hd == 128 {
+				kernels = append(kernels, 2) // attn_prefill4
+			}
+			for _, k := range kernels {
+				checkAttnPrefill(t, bin, tc.hd, tc.group, tc.nkv, tc.ps, tc.qlen, tc.pos0, k)
 			}
 		})
 	}
 }
 
-func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, pos0 []int, rows64 bool) {
+func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, pos0 []int, kernel int) {
 	r := rand.New(rand.NewPCG(uint64(hd), uint64(group)))
 	ns, nh := len(qlen), group*nkv
 	per := 0
@@ -238,7 +247,7 @@ func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, po
 	}
 	var in bytes.Buffer
 	put(t, &in, int32(ns), int32(nh), int32(nkv), int32(ps), int32(npages), int32(per), int32(rows),
-		float32(scale*math.Log2E), qstart, i32(qlen), i32(pos0), ptoff, pages, q, kc, vc, out, int32(b2i(rows64)))
+		float32(scale*math.Log2E), qstart, i32(qlen), i32(pos0), ptoff, pages, q, kc, vc, out, int32(kernel))
 	got := emuCall[uint16](t, bin, &in, rows*qd)
 	f := func(h uint16) float64 { return float64(model.BF16ToF32(h)) }
 	owned := make([]bool, rows)
@@ -281,7 +290,7 @@ func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, po
 					den += w * w
 				}
 				if e := math.Sqrt(num / den); !(e <= 5e-3) {
-					t.Errorf("rows64 %v: seq %d row %d (pos %d) head %d: relative error %.3g", rows64, i, j, p, h, e)
+					t.Errorf("kernel %d: seq %d row %d (pos %d) head %d: relative error %.3g", kernel, i, j, p, h, e)
 				}
 			}
 		}

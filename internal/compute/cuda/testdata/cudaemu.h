@@ -4,7 +4,9 @@
 // __syncthreads waits for the block, the warp intrinsics (full masks only)
 // for the warp; a thread that returns drops out of both, as on a GPU; a
 // barrier that cannot complete, or a __syncthreads that the block's threads
-// reach at different calls, aborts. Float and double operations are the
+// reach at different calls, aborts. The warpgroup MMAs (wgmma) meet their
+// warpgroup's 128 threads the same way; an mbarrier wait yields until the
+// phase completes (or aborts after too many turns). Float and double operations are the
 // host's IEEE ones (compiled with -ffp-contract=off, SSE), rounded to
 // nearest even. x86-64 only.
 #include <cmath>
@@ -55,7 +57,7 @@ emu_switch:
 	ret
 )");
 
-enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE };
+enum { EMU_RUN, EMU_WARP, EMU_BLOCK, EMU_DONE, EMU_WG, EMU_SPIN };
 inline void *emu_sched_sp;
 inline std::vector<void *> emu_sp;
 inline std::vector<int> emu_state;
@@ -179,18 +181,26 @@ template <class K, class... A> void emu_launch(K k, emu_dim3 grid, unsigned thre
 						emu_switch(&emu_sched_sp, emu_sp[t]);
 					}
 					bool run = false, done = true, block = true;
-					for (unsigned w = 0; w < threads / 32; w++) {
-						bool live = false, all = true;
-						for (unsigned t = 32 * w; t < 32 * w + 32; t++) {
-							if (emu_state[t] == EMU_DONE) continue;
-							live = true;
-							all = all && emu_state[t] == EMU_WARP;
+					// a warp (32 threads) or warpgroup (128) all of whose live
+					// threads wait at its barrier goes on
+					auto group = [&](unsigned n, int st) {
+						for (unsigned w = 0; w < threads / n; w++) {
+							bool live = false, all = true;
+							for (unsigned t = n * w; t < n * w + n; t++) {
+								if (emu_state[t] == EMU_DONE) continue;
+								live = true;
+								all = all && emu_state[t] == st;
+							}
+							if (live && all) {
+								for (unsigned t = n * w; t < n * w + n; t++)
+									if (emu_state[t] == st) emu_state[t] = EMU_RUN, run = true;
+							}
 						}
-						if (live && all) {
-							for (unsigned t = 32 * w; t < 32 * w + 32; t++)
-								if (emu_state[t] == EMU_WARP) emu_state[t] = EMU_RUN, run = true;
-						}
-					}
+					};
+					group(32, EMU_WARP);
+					group(128, EMU_WG);
+					for (unsigned t = 0; t < threads; t++)
+						if (emu_state[t] == EMU_SPIN) emu_state[t] = EMU_RUN, run = true;
 					for (unsigned t = 0; t < threads; t++) {
 						if (emu_state[t] == EMU_DONE) continue;
 						done = false;
@@ -286,4 +296,87 @@ inline void cp16(unsigned short *s, const unsigned short *g, bool ok) {
 inline float ex2(float x) { return std::exp2(x); } // ex2.approx.ftz.f32, within its 2 ulp
 inline void cp_commit() {}
 template <int N> inline void cp_wait() {}
-alignas(16) inline unsigned char dyn_smem[256 << 10]; // extern __shared__: blocks run one at a time
+alignas(1024) inline unsigned char dyn_smem[256 << 10]; // extern __shared__: blocks run one at a time
+// sm_addr: a shared-memory address (dynamic shared memory only).
+inline unsigned sm_addr(const void *p) { return (unsigned)((const unsigned char *)p - dyn_smem); }
+
+// Hopper (EMU_HOPPER, for attn.cu's attn_prefill4). wgmma runs when all of
+// its warpgroup has issued it (the async group operations are no-ops: a
+// missing wait cannot show, a tile overwritten while read can); its shared
+// operands are read through their descriptors as PTX defines the 128-byte
+// swizzled layouts (mode 1 only): K-major element (row i, k) at start +
+// (i%8)*128 + (i/8)*SBO + 2k, N-major (k, n) at start + 2(n%64) +
+// (n/64)*LBO + (k%8)*128 + (k/8)*SBO, each address's bits 4-6 XORed with
+// bits 7-9. A from registers and D as the m16n8k16 fragments of warp w's
+// rows 16w..; sums in double, rounded to f32 once.
+inline uint64_t emu_wgdesc[1024][2];
+inline unsigned emu_wga[1024][4];
+inline float emu_sw(uint64_t desc, unsigned off) {
+	if (desc >> 62 != 1) {
+		fprintf(stderr, "emulation: wgmma descriptor without the 128-byte swizzle\n");
+		abort();
+	}
+	unsigned a = (unsigned)(desc & 0x3fff) * 16 + off;
+	a ^= (a >> 7 & 7) << 4;
+	unsigned short h;
+	std::memcpy(&h, dyn_smem + a, 2);
+	return __uint_as_float((unsigned)h << 16);
+}
+template <int N> inline void emu_wgmma(float *d, const unsigned *a, uint64_t da, uint64_t db, bool acc, bool nmajorB) {
+	unsigned me = threadIdx.x, wg = me & ~127u;
+	emu_wgdesc[me][0] = da, emu_wgdesc[me][1] = db;
+	if (a)
+		for (int i = 0; i < 4; i++) emu_wga[me][i] = a[i];
+	emu_yield(EMU_WG);
+	const uint64_t lbo = (db >> 16 & 0x3fff) * 16, sbo = (db >> 32 & 0x3fff) * 16, asbo = (da >> 32 & 0x3fff) * 16;
+	auto A = [&](int i, int k) -> float {
+		if (!a) return emu_sw(da, (i % 8) * 128 + (i / 8) * asbo + 2 * k);
+		int w = i / 16, r = i % 16;
+		unsigned v = emu_wga[wg + 32 * w + (r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)];
+		return __uint_as_float(k & 1 ? v & 0xffff0000u : v << 16);
+	};
+	auto B = [&](int k, int n) -> float {
+		if (nmajorB) return emu_sw(db, 2 * (n % 64) + (n / 64) * lbo + (k % 8) * 128 + (k / 8) * sbo);
+		return emu_sw(db, (n % 8) * 128 + (n / 8) * sbo + 2 * k);
+	};
+	int w = (me & 127) / 32, g = (me & 31) / 4, t = me & 3;
+	float r[N / 2];
+	for (int j = 0; j < N / 8; j++)
+		for (int e = 0; e < 4; e++) {
+			int row = 16 * w + g + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+			double s = acc ? d[4 * j + e] : 0.0;
+			for (int k = 0; k < 16; k++) s += (double)A(row, k) * B(k, col);
+			r[4 * j + e] = (float)s;
+		}
+	emu_yield(EMU_WG);
+	for (int i = 0; i < N / 2; i++) d[i] = r[i];
+}
+inline void wg_ss64(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
+	emu_wgmma<64>(d, nullptr, a, b, acc != 0, false);
+}
+inline void wg_rs128(float (&d)[64], const unsigned *a, unsigned long long b) { emu_wgmma<128>(d, a, 0, b, true, true); }
+inline void wg_fence() {}
+inline void wg_commit() {}
+template <int N> inline void wg_wait() {}
+template <int N> inline void wg_hold(float (&)[N]) {}
+inline void fence_async() {}
+// mbarriers: arrivals left (low 32 bits), arrivals a phase takes (bits
+// 32-61), the current phase's parity (bit 63). cp.async copies land at
+// once, so mb_cp_arrive is an arrival.
+inline void mb_init(unsigned long long *b, int n) { *b = (unsigned long long)n | (unsigned long long)n << 32; }
+inline void mb_fence_init() {}
+inline void mb_arrive(unsigned long long *b) {
+	unsigned long long v = *b - 1;
+	if ((unsigned)v == 0) v = (v & ~0xffffffffull) ^ 1ull << 63 | (v >> 32 & 0x3fffffff);
+	*b = v;
+}
+inline void mb_cp_arrive(unsigned long long *b) { mb_arrive(b); }
+inline void mb_wait(unsigned long long *b, int ph) {
+	for (long spins = 0; (int)(*b >> 63) == ph; spins++) {
+		if (spins > 1000000) {
+			fprintf(stderr, "emulation: mbarrier wait that never completes (thread %u)\n", threadIdx.x);
+			abort();
+		}
+		emu_yield(EMU_SPIN);
+	}
+}
