@@ -303,6 +303,25 @@ extern "C" __global__ void __launch_bounds__(TC_WARPS * 64, 8 / TC_WARPS) attn_d
 #define P3_PAD (HEAD_DIM + 8) // row stride in elements: ldmatrix rows land on distinct banks
 #define P3_TILE (P3_BK * P3_PAD)
 #define P3_SMEM(MT) ((P3_WARPS * 16 * (MT) * P3_PAD + P3_STAGES * 2 * P3_TILE) * 2)
+// flash_store writes the 16 rows from r0 of a flash prefill's output (rows
+// at or past L not), as the lane (gr, tg) of an m16n8 tile holds them:
+// o(nd, i) the accumulator i of column tile nd, l its rows' partial sums.
+template <class O>
+__device__ __forceinline__ void flash_store(bf16_t *ob, int QD, int r0, int L, const float *l, O o) {
+	const int gr = (threadIdx.x & 31) >> 2, tg = threadIdx.x & 3;
+#pragma unroll
+	for (int hf = 0; hf < 2; hf++) {
+		float ls = l[hf];
+		ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+		ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+		const int r = r0 + gr + 8 * hf;
+		if (r >= L) continue;
+		const float inv = 1.f / ls;
+#pragma unroll
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++)
+			*(u32 *)(ob + (long long)r * QD + nd * 8 + 2 * tg) = pack_bf16(o(nd, 2 * hf) * inv, o(nd, 2 * hf + 1) * inv);
+	}
+}
 template <int MT>
 __device__ __forceinline__ void prefill3(bf16_t *out, const bf16_t *q, const bf16_t *kc, const bf16_t *vc,
 	const int *qstart, const int *qlen, const int *pos0, const int *ptoff, const int *pages, int page_size, int nheads,
@@ -483,19 +502,7 @@ __device__ __forceinline__ void prefill3(bf16_t *out, const bf16_t *q, const bf1
 	bf16_t *ob = out + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
 #pragma unroll
 	for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-		for (int hf = 0; hf < 2; hf++) {
-			float ls = l[mt][hf];
-			ls += __shfl_xor_sync(0xffffffffu, ls, 1);
-			ls += __shfl_xor_sync(0xffffffffu, ls, 2);
-			const int r = wr0 + mt * 16 + gr + 8 * hf;
-			if (r >= L) continue;
-			const float inv = 1.f / ls;
-#pragma unroll
-			for (int nd = 0; nd < HEAD_DIM / 8; nd++)
-				*(u32 *)(ob + (long long)r * QD + nd * 8 + 2 * tg) =
-					pack_bf16(o[mt][nd][2 * hf] * inv, o[mt][nd][2 * hf + 1] * inv);
-		}
+		flash_store(ob, QD, wr0 + mt * 16, L, l[mt], [&](int nd, int i) { return o[mt][nd][i]; });
 }
 #define P3_ARGS                                                                                                       \
 	bf16_t *out, const bf16_t *q, const bf16_t *kc, const bf16_t *vc, const int *qstart, const int *qlen,         \
@@ -769,18 +776,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 	wg_wait<0>();
 	wg_hold(o);
 	bf16_t *ob = out + (long long)qstart[b] * QD + (long long)h * HEAD_DIM;
-#pragma unroll
-	for (int hf = 0; hf < 2; hf++) {
-		float ls = l[hf];
-		ls += __shfl_xor_sync(0xffffffffu, ls, 1);
-		ls += __shfl_xor_sync(0xffffffffu, ls, 2);
-		const int r = wr0 + wq * 16 + gr + 8 * hf;
-		if (r >= L) continue;
-		const float inv = 1.f / ls;
-#pragma unroll
-		for (int nd = 0; nd < HEAD_DIM / 8; nd++)
-			*(u32 *)(ob + (long long)r * QD + nd * 8 + 2 * tg) = pack_bf16(o[4 * nd + 2 * hf] * inv, o[4 * nd + 2 * hf + 1] * inv);
-	}
+	flash_store(ob, QD, wr0 + wq * 16, L, l, [&](int nd, int i) { return o[4 * nd + i]; });
 }
 
 // wgmma_probe (TestWgmmaProbe): one warpgroup, a and bm [64][HEAD_DIM] bf16
