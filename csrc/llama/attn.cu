@@ -671,9 +671,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 					off = base + (long long)(8 * i) * KVD;
 				else {
 					int pg = psh >= 0 ? key >> psh : key / page_size, in = psh >= 0 ? key & (page_size - 1) : key % page_size;
-					off = ok ? ((long long)pt[pg] * page_size + in) * KVD + goff : 0;
+					off = ((long long)pt[ok ? pg : 0] * page_size + in) * KVD + goff;
 				}
-				off = ok ? off : 0;
+				off = ok ? off : 0; // past the keys: zeros, from a valid address
 				cp16(Ks + i * RS, kc + off, ok);
 				cp16(Vs + i * RS, vc + off, ok);
 			}
