@@ -182,13 +182,15 @@ func TestAttnPrefillEmulated(t *testing.T) {
 	for _, tc := range []struct {
 		hd, group, nkv, ps int
 		qlen, pos0         []int
+		grow               bool // keys scaled by 1 + position/16: row maxima that keep moving
 	}{
-		{128, 4, 1, 16, []int{200, 130, 1, 37}, []int{0, 70, 33, 0}},
-		{128, 2, 2, 64, []int{300, 64, 129}, []int{0, 200, 64}}, // one page a 64-key tile
-		{64, 1, 2, 64, []int{257, 64}, []int{0, 100}},
-		{64, 2, 1, 48, []int{100, 5}, []int{30, 0}}, // pages of no power of two
+		{128, 4, 1, 16, []int{200, 130, 1, 37}, []int{0, 70, 33, 0}, false},
+		{128, 2, 2, 64, []int{300, 64, 129}, []int{0, 200, 64}, false}, // one page a 64-key tile
+		{128, 1, 2, 32, []int{260, 70}, []int{0, 190}, true},
+		{64, 1, 2, 64, []int{257, 64}, []int{0, 100}, false},
+		{64, 2, 1, 48, []int{100, 5}, []int{30, 0}, false}, // pages of no power of two
 	} {
-		t.Run(fmt.Sprintf("hd%d-group%d-ps%d", tc.hd, tc.group, tc.ps), func(t *testing.T) {
+		t.Run(fmt.Sprintf("hd%d-group%d-ps%d-grow%v", tc.hd, tc.group, tc.ps, tc.grow), func(t *testing.T) {
 			bin := emuCompile(t, "prefill_emu", fmt.Sprintf("-DHEAD_DIM=%d", tc.hd), "-DUSE_BF16=1",
 				fmt.Sprintf("-DGQA_GROUP=%d", tc.group), "-DATT_SPLIT=128", "-DEMU_HOPPER=1", `-DATTN_CU="`+src+`"`)
 			kernels := []int{0, 1} // attn_prefill3, _64
@@ -196,13 +198,13 @@ func TestAttnPrefillEmulated(t *testing.T) {
 				kernels = append(kernels, 2) // attn_prefill4
 			}
 			for _, k := range kernels {
-				checkAttnPrefill(t, bin, tc.hd, tc.group, tc.nkv, tc.ps, tc.qlen, tc.pos0, k)
+				checkAttnPrefill(t, bin, tc.hd, tc.group, tc.nkv, tc.ps, tc.qlen, tc.pos0, tc.grow, k)
 			}
 		})
 	}
 }
 
-func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, pos0 []int, kernel int) {
+func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, pos0 []int, grow bool, kernel int) {
 	r := rand.New(rand.NewPCG(uint64(hd), uint64(group)))
 	ns, nh := len(qlen), group*nkv
 	per := 0
@@ -232,6 +234,16 @@ func checkAttnPrefill(t *testing.T, bin string, hd, group, nkv, ps int, qlen, po
 	}
 	qd, kvd := nh*hd, nkv*hd
 	q, kc, vc := bf(rows*qd), bf(npages*ps*kvd), bf(npages*ps*kvd)
+	if grow {
+		for i := range ns {
+			for key := range pos0[i] + qlen[i] {
+				kr := kc[(int(pages[i*per+key/ps])*ps+key%ps)*kvd:][:kvd]
+				for d := range kr {
+					kr[d] = model.F32ToBF16(model.BF16ToF32(kr[d]) * float32(1+float64(key)/16))
+				}
+			}
+		}
+	}
 	const nan = 0x7fc1
 	out := make([]uint16, rows*qd)
 	for i := range out {
