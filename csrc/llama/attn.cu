@@ -517,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(P3_WARPS * 32, 3) attn_prefill3_64(
 }
 #endif
 
-#if USE_BF16 && HEAD_DIM == 128 && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(EMU_HOPPER))
+#if USE_BF16 && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(EMU_HOPPER))
 // Hopper (sm_90a, compiled so on a compute capability 9.0 device; on the
 // host, testdata/cudaemu.h's emulation under EMU_HOPPER): warpgroup
 // MMAs (wgmma) over shared memory in wgmma's 128-byte swizzled layout: a
@@ -557,13 +557,32 @@ template <int N> __device__ __forceinline__ void wg_hold(float (&d)[N]) {
 // visible to the async proxy that wgmma reads through.
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 #define WG8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-// wg_ss64: d[64x64] (+)= A[64x16] . B[64x16]^T, both K-major in shared
+// wg_ss<N>: d[64xN] (+)= A[64x16] . B[Nx16]^T, both K-major in shared
 // memory; d as the m16n8 accumulators of warp w's rows 16w.. (d[4j..4j+3]:
 // columns 8j + 2t, +1 of rows r, r+8), zeroed first when !acc.
-__device__ __forceinline__ void wg_ss64(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
+template <int N> __device__ __forceinline__ void wg_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int acc);
+template <> __device__ __forceinline__ void wg_ss<16>(float (&d)[8], unsigned long long a, unsigned long long b, int acc) {
+	asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+		     "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+		     : WG8(0)
+		     : "l"(a), "l"(b), "r"(acc));
+}
+template <> __device__ __forceinline__ void wg_ss<32>(float (&d)[16], unsigned long long a, unsigned long long b, int acc) {
+	asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+		     "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+		     : WG8(0), WG8(8)
+		     : "l"(a), "l"(b), "r"(acc));
+}
+template <> __device__ __forceinline__ void wg_ss<64>(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
 	asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
 		     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
 		     : WG8(0), WG8(8), WG8(16), WG8(24)
+		     : "l"(a), "l"(b), "r"(acc));
+}
+template <> __device__ __forceinline__ void wg_ss<128>(float (&d)[64], unsigned long long a, unsigned long long b, int acc) {
+	asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+		     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+		     : WG8(0), WG8(8), WG8(16), WG8(24), WG8(32), WG8(40), WG8(48), WG8(56)
 		     : "l"(a), "l"(b), "r"(acc));
 }
 // wg_rs128: d[64x128] += A[64x16] . B[16x128], A in registers (mma.sync's
@@ -597,7 +616,157 @@ __device__ __forceinline__ void mb_wait(unsigned long long *b, int ph) {
 			     : "r"(sm_addr(b)), "r"(ph)
 			     : "memory");
 }
+// wg_sync: a barrier of this thread's warpgroup alone (named barrier 1 + wg).
+__device__ __forceinline__ void wg_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+__device__ __forceinline__ float ld_cg(const float *p) {
+	float v;
+	asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+	return v;
+}
 #endif
+
+// gemm_wg: the decode GEMMs of 5..128 token rows (Y = X . W^T, X [n][in]
+// bf16, W [out][in] bf16, Y [n][out] f32 (+ beta*Y) or bf16), streaming the
+// weights once through a ring of shared-memory stages at HBM speed, on
+// wgmma with the weights as A (64 rows a consumer warpgroup) and the tokens
+// as N (NT: n padded to 16, 32, 64 or 128). Work is split stream-K: the
+// units (128-row block r, 64-k chunk c), r-major, are cut into gridDim.x
+// (one block an SM, persistent) equal ranges, so every SM streams the same
+// bytes and the producer runs on from one row block into the next without
+// draining the ring. A block's range covers some row blocks whole (stored
+// at once) and at most two in part (its first: slot 0, its last: slot 1);
+// a part goes to part[block][slot][half] as each thread holds it, and the
+// last of a row block's blocks to arrive (a counter a half, reset after)
+// sums them in block order, so results do not depend on timing. Block:
+// consumer warpgroups 0 and 1 (rows 0..63, 64..127 of a row block) and a
+// producer warpgroup (threads 256..383) copying W's 128 x 64 and X's NT x 64
+// tile of each unit by cp.async into 128-byte swizzled stages, with full
+// and empty mbarriers as attn_prefill4's. in % 64 == 0.
+#define GW_BM 128
+#define GW_BK 64
+#define GW_STAGES(NT) ((NT) <= 64 ? 8 : 6)
+#define GW_STAGE(NT) ((GW_BM + (NT)) * GW_BK) // elements
+#define GW_SMEM(NT) (GW_STAGES(NT) * GW_STAGE(NT) * 2 + 2 * GW_STAGES(NT) * 8 + 16 + 1024)
+template <int NT>
+__device__ __forceinline__ void gemm_wg(void *Y, const bf16_t *X, const bf16_t *W, int n, int out, int in, float beta,
+	int yf32, float *part, int *cnt) {
+	constexpr int S = GW_STAGES(NT), STG = GW_STAGE(NT);
+	bf16_t *sm = sw_base();
+	unsigned long long *full = (unsigned long long *)(sm + S * STG), *empty = full + S;
+	int *lastf = (int *)(empty + S);
+	const int tid = threadIdx.x, wg = tid >> 7, tw = tid & 127;
+	const int nc = in / GW_BK, G = gridDim.x, g = blockIdx.x;
+	const long long U = (long long)((out + GW_BM - 1) / GW_BM) * nc;
+	const long long u0 = (long long)g * U / G, u1 = (long long)(g + 1) * U / G;
+	if (tid == 0) {
+		for (int i = 0; i < S; i++) {
+			mb_init(full + i, 128);
+			mb_init(empty + i, 256);
+		}
+		mb_fence_init();
+	}
+	__syncthreads();
+	if (wg == 2) { // the producer: thread tw copies 16-byte chunk tw%8 of rows tw/8 + 16j
+		const int c8 = (tw & 7) * 8, r0 = tw >> 3;
+		long long i = 0;
+		for (long long u = u0; u < u1; u++, i++) {
+			const int st = (int)(i % S), rb = (int)(u / nc), k = (int)(u % nc) * GW_BK + c8;
+			mb_wait(empty + st, (int)(i / S & 1) ^ 1);
+			bf16_t *Ws = sm + st * STG, *Xs = Ws + GW_BM * GW_BK;
+#pragma unroll
+			for (int j = 0; j < GW_BM / 16; j++) {
+				const int row = r0 + 16 * j, gr = rb * GW_BM + row;
+				const bool ok = gr < out;
+				cp16(Ws + sw_off(GW_BM, row, c8), W + (long long)(ok ? gr : 0) * in + k, ok);
+			}
+#pragma unroll
+			for (int j = 0; j < NT / 16; j++) {
+				const int t = r0 + 16 * j;
+				const bool ok = t < n;
+				cp16(Xs + sw_off(NT, t, c8), X + (long long)(ok ? t : 0) * in + k, ok);
+			}
+			mb_cp_arrive(full + st);
+		}
+		cp_wait<0>(); // no copy outlives the block
+		return;
+	}
+	const int wq = tw >> 5, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
+	float d[NT / 2];
+	// store: rows of row block rb from v (as d is held) into Y
+	auto store = [&](int rb, const float *v) {
+#pragma unroll
+		for (int j = 0; j < NT / 8; j++)
+#pragma unroll
+			for (int e = 0; e < 4; e++) {
+				const int row = rb * GW_BM + wg * 64 + 16 * wq + gr + 8 * (e >> 1), t = 8 * j + 2 * tg + (e & 1);
+				if (row >= out || t >= n) continue;
+				const long long idx = (long long)t * out + row;
+				if (yf32) {
+					float *y = (float *)Y, x = v[4 * j + e];
+					if (beta != 0.f) x += beta * y[idx];
+					y[idx] = x;
+				} else
+					((bf16_t *)Y)[idx] = (bf16_t)(pack_bf16(v[4 * j + e], 0.f) & 0xffffu);
+			}
+	};
+	long long i = 0;
+	for (long long u = u0; u < u1;) {
+		const int rb = (int)(u / nc);
+		const long long us = u, ue = min(u1, (long long)(rb + 1) * nc); // this segment: units us..ue-1
+		for (; u < ue; u++, i++) {
+			const int st = (int)(i % S);
+			mb_wait(full + st, (int)(i / S & 1));
+			fence_async();
+			const bf16_t *Ws = sm + st * STG + wg * 64 * GW_BK, *Xs = sm + st * STG + GW_BM * GW_BK;
+			wg_fence();
+#pragma unroll
+			for (int kk = 0; kk < GW_BK / 16; kk++)
+				wg_ss<NT>(d, wg_desc(Ws + kk * 16, 16, 1024), wg_desc(Xs + kk * 16, 16, 1024), kk > 0 || u > us);
+			wg_commit();
+			wg_wait<0>();
+			wg_hold(d);
+			mb_arrive(empty + st);
+		}
+		const long long x0 = (long long)rb * nc, x1 = x0 + nc - 1;
+		if (us == x0 && ue == x0 + nc) {
+			store(rb, d);
+			continue;
+		}
+		float *P = part + (((long long)g * 2 + (rb == u0 / nc ? 0 : 1)) * 2 + wg) * 64 * NT;
+#pragma unroll
+		for (int j = 0; j < NT / 2; j++) P[j * 128 + tw] = d[j];
+		__threadfence();
+		wg_sync(wg);
+		// the blocks holding units x0 and x1: block b holds x when b*U/G <= x < (b+1)*U/G
+		const int gf = (int)(((x0 + 1) * G + U - 1) / U) - 1, gl = (int)(((x1 + 1) * G + U - 1) / U) - 1;
+		if (tw == 0) lastf[wg] = atomicAdd(cnt + 2 * rb + wg, 1) == gl - gf;
+		wg_sync(wg);
+		if (!lastf[wg]) continue;
+		__threadfence();
+		float v[NT / 2];
+#pragma unroll
+		for (int j = 0; j < NT / 2; j++) v[j] = 0.f;
+		for (int b = gf; b <= gl; b++) {
+			const float *Q = part + (((long long)b * 2 + (rb == (long long)b * U / G / nc ? 0 : 1)) * 2 + wg) * 64 * NT;
+#pragma unroll
+			for (int j = 0; j < NT / 2; j++) v[j] += ld_cg(Q + j * 128 + tw);
+		}
+		store(rb, v);
+		if (tw == 0) cnt[2 * rb + wg] = 0;
+	}
+}
+#define GW_KERNEL(NT)                                                                                                   \
+	extern "C" __global__ void __launch_bounds__(384, 1) gemm_wg##NT(void *Y, const bf16_t *X, const bf16_t *W, int n, \
+		int out, int in, float beta, int yf32, float *part, int *cnt) {                                             \
+		gemm_wg<NT>(Y, X, W, n, out, in, beta, yf32, part, cnt);                                                    \
+	}
+GW_KERNEL(16)
+GW_KERNEL(32)
+GW_KERNEL(64)
+GW_KERNEL(128)
+#endif
+
+#if USE_BF16 && HEAD_DIM == 128 && (defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(EMU_HOPPER))
 
 #define P4_BQ 128
 #define P4_BK 64
@@ -700,7 +869,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 	auto qk = [&](const bf16_t *Ks) {
 #pragma unroll
 		for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-			wg_ss64(s, wg_desc(Qw + (kk >> 2) * P4_BQ * 64 + (kk & 3) * 16, 16, 1024),
+			wg_ss<64>(s, wg_desc(Qw + (kk >> 2) * P4_BQ * 64 + (kk & 3) * 16, 16, 1024),
 				wg_desc(Ks + (kk >> 2) * P4_BK * 64 + (kk & 3) * 16, 16, 1024), kk);
 		wg_commit();
 	};
@@ -805,7 +974,7 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_probe(float *d, const bf
 		wg_fence();
 #pragma unroll
 		for (int kk = 0; kk < HEAD_DIM / 16; kk++)
-			wg_ss64(s, wg_desc(As + (kk >> 2) * 64 * 64 + (kk & 3) * 16, 16, 1024),
+			wg_ss<64>(s, wg_desc(As + (kk >> 2) * 64 * 64 + (kk & 3) * 16, 16, 1024),
 				wg_desc(Bs + (kk >> 2) * 64 * 64 + (kk & 3) * 16, 16, 1024), kk);
 		wg_commit();
 		wg_wait<0>();

@@ -55,7 +55,7 @@ if want sass; then
 	timeout 120 $NVCC -cubin -arch=sm_90a -DHEAD_DIM=128 -DUSE_BF16=1 -DGQA_GROUP=4 -DATT_SPLIT=128 -DTC_WARPS=4 \
 		-Xptxas -v -o "$w/attn90a.cubin" "$root/csrc/llama/attn.cu" >"$O/sass.log" 2>&1
 	log "nvcc attn.cu sm_90a rc $?"
-	grep -iE -A2 "warn|error|'attn_prefill4'|'wgmma_probe'" "$O/sass.log" | grep -vE "^--$" | head -24 | cut -c1-250 | tee -a "$O/run.log"
+	grep -iE -A2 "warn|error|'attn_prefill4'|'wgmma_probe'|'gemm_wg" "$O/sass.log" | grep -vE "^--$" | head -24 | cut -c1-250 | tee -a "$O/run.log"
 fi
 if want rdma && [ -x "$w/mooncake-go" ]; then
 	timeout 20 "$w/mooncake-go" serve --log-level error --disaggregation-transfer-backend rdma >"$O/rdma.log" 2>&1

@@ -366,6 +366,9 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 			y, x, w, int32(n), int32(out), int32(in), beta)
 		return
 	}
+	if r.gemmWG(y, yF32, x, w, n, out, in, beta) {
+		return
+	}
 	tt, comp := cublas.R16BF, cublas.Compute32F
 	if !b.bf16 {
 		tt, comp = cublas.R32F, cublas.Compute32FPedantic
@@ -377,6 +380,27 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 	r.err = b.blas.GemmEx(&cublas.Gemm{TransA: cublas.OpT, TransB: cublas.OpN, M: out, N: n, K: in,
 		Alpha: 1, Beta: beta, A: uint64(w), AType: tt, LDA: in, B: uint64(x), BType: tt, LDB: in,
 		C: uint64(y), CType: yt, LDC: out, Compute: comp})
+}
+
+// gemmWG launches gemm's GEMM on gemm_wg when it is loaded and takes the
+// shape (at most 128 rows, in % 64 == 0), and reports whether it did.
+func (r *run) gemmWG(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int, beta float32) bool {
+	f := &r.b.fn
+	if f.gw[0] == nil || n < 1 || n > gwNT[3] || in%64 != 0 || ceilDiv(out, 128) > gwRowBlocks {
+		return false
+	}
+	i := 0
+	for gwNT[i] < n {
+		i++
+	}
+	yf := int32(0)
+	if yF32 {
+		yf = 1
+	}
+	g := min(f.gwGrid, ceilDiv(out, 128)*(in/64)) // every block a range of units
+	r.launch(f.gw[i], cu.D1(uint32(g)), cu.D1(384), uint32(f.gwSmem[i]), y, x, w, int32(n), int32(out), int32(in), beta, yf,
+		f.gwPart, f.gwCnt)
+	return true
 }
 
 // fused reports whether a pass of n token rows runs the fused decode layer

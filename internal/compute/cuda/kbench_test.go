@@ -77,7 +77,7 @@ func TestKernelBench8B(t *testing.T) {
 	for _, p := range []struct {
 		name string
 		run  func()
-	}{{"gemvs", kb.gemvs}, {"skinny", kb.skinny}, {"small", kb.smallKernels}, {"attention", kb.attention}, {"prefill", kb.prefill}} {
+	}{{"gemvs", kb.gemvs}, {"skinny", kb.skinny}, {"wgemm", kb.wgemm}, {"small", kb.smallKernels}, {"attention", kb.attention}, {"prefill", kb.prefill}} {
 		if parts == "" || slices.Contains(strings.Split(parts, ","), p.name) {
 			p.run()
 		}
@@ -378,6 +378,101 @@ func (k *kbench) gemvs() {
 		newLM(0)
 		same = equal("logits", n, lg[0], lg[1], uint64(n*V*4))
 		row("logits: rmsnorm+gemv vs gemv2_norm", n, wb(V, dim), k.time(3, oldLM), k.time(3, newLM), same)
+	}
+}
+
+// wgemm times the decode GEMMs of 8..128 tokens on cuBLAS and on gemm_wg
+// (the weights rotated over the layers, as run.gemm launches them), checking
+// that both agree (f32 outputs within 1e-5, bf16 ones within 1e-2).
+func (k *kbench) wgemm() {
+	b := k.b
+	c := &b.cfg
+	if b.fn.gw[0] == nil {
+		if hopper(k.t, b) {
+			k.fail("gemm_wg not loaded on a compute capability 9.0 device")
+		}
+		return
+	}
+	dim, qd, kvd, hid, V := c.Dim, c.Heads*c.HeadDim, c.KVHeads*c.HeadDim, c.HiddenDim, c.Vocab
+	const N = 128
+	L := len(b.w.layers)
+	xs := map[int]cu.DevicePtr{}
+	for i, in := range []int{dim, qd, hid} {
+		if xs[in] == 0 {
+			xs[in] = k.alloc(N * uint64(in) * 2)
+			k.randT(xs[in], N*uint64(in), uint64(61+i), 1)
+		}
+	}
+	maxOut := max(qd+2*kvd, 2*hid, dim, V)
+	var y [2]cu.DevicePtr
+	for v := range y {
+		y[v] = k.alloc(N * uint64(maxOut) * 4)
+	}
+	r := &run{b: b, s: b.stream}
+	k.add("")
+	k.add("| decode GEMM (weights rotated over %d layers) | n | cuBLAS us | gemm_wg us | cuBLAS GB/s (%% HBM) | gemm_wg GB/s (%% HBM) | wg/cuBLAS | outputs |", L)
+	k.add("| --- | --- | --- | --- | --- | --- | --- | --- |")
+	for _, m := range []struct {
+		name    string
+		out, in int
+		yF32    bool
+		beta    float32
+		pick    func(l *devLayer) cu.DevicePtr
+		reps    int
+	}{
+		{"qkv", qd + 2*kvd, dim, true, 0, func(l *devLayer) cu.DevicePtr { return l.wqkv }, 8},
+		{"wo (+y)", dim, qd, true, 1, func(l *devLayer) cu.DevicePtr { return l.wo }, 8},
+		{"gate/up (bf16)", 2 * hid, dim, false, 0, func(l *devLayer) cu.DevicePtr { return l.w13 }, 4},
+		{"down (+y)", dim, hid, true, 1, func(l *devLayer) cu.DevicePtr { return l.w2 }, 6},
+		{"logits", V, dim, true, 0, nil, 3},
+	} {
+		wOf := func(i int) cu.DevicePtr {
+			if m.pick == nil {
+				return b.w.lmHead
+			}
+			return m.pick(&b.w.layers[i%L])
+		}
+		x := xs[m.in]
+		for _, n := range []int{8, 16, 32, 64, 128} {
+			cnt := n * m.out
+			for v := range y { // the same values in both (beta 1 adds them)
+				if m.yF32 {
+					k.randF(y[v], uint64(cnt), 71, 1, 0)
+				} else {
+					k.randT(y[v], uint64(cnt), 71, 1)
+				}
+			}
+			k.cublas(y[0], m.yF32, x, wOf(0), n, m.out, m.in, m.beta)
+			if !r.gemmWG(y[1], m.yF32, x, wOf(0), n, m.out, m.in, m.beta) {
+				k.fail("%s: gemm_wg does not take n=%d %dx%d", m.name, n, m.out, m.in)
+				return
+			}
+			if r.err != nil {
+				k.fail("%s: gemm_wg: %v", m.name, r.err)
+				return
+			}
+			var ga, gb []float32
+			tol := 1e-5
+			if m.yF32 {
+				ga, gb = f32s(k.get(y[0], uint64(cnt*4))), f32s(k.get(y[1], uint64(cnt*4)))
+			} else {
+				ga, gb, tol = bf16s(k.get(y[0], uint64(cnt*2))), bf16s(k.get(y[1], uint64(cnt*2))), 1e-2
+			}
+			same := fmt.Sprintf("rel %.1e", relErr(gb, ga))
+			if e := relErr(gb, ga); !(e <= tol) {
+				k.fail("%s at n=%d: gemm_wg vs cuBLAS: rel err %.3g > %.3g", m.name, n, e, tol)
+				same = fmt.Sprintf("DIFFER %.1e", e)
+			}
+			bytes := float64(m.out) * float64(m.in) * 2
+			old := k.time(m.reps, func(i int) { k.cublas(y[0], m.yF32, x, wOf(i), n, m.out, m.in, m.beta) })
+			nw := k.time(m.reps, func(i int) { r.gemmWG(y[1], m.yF32, x, wOf(i), n, m.out, m.in, m.beta) })
+			og, op := k.gbs(bytes, old)
+			ng, np := k.gbs(bytes, nw)
+			k.add("| %s | %d | %.1f | %.1f | %.0f (%.0f%%) | %.0f (%.0f%%) | %.2f | %s |", m.name, n, old, nw, og, op, ng, np, nw/old, same)
+		}
+	}
+	if r.err != nil {
+		k.fail("gemm_wg: %v", r.err)
 	}
 }
 

@@ -38,6 +38,7 @@ type tuning struct {
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (attn.cu)
+	noWG       bool // cuBLAS instead of gemm_wg (attn.cu, sm_90a) for 5..128 token rows
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
@@ -119,6 +120,31 @@ type kernels struct {
 	attnTC, attnTCWide     *cu.Function
 	tcMod                  *cu.Module
 	tcThreads, tcWideBelow int
+	// gw: gemm_wg16/32/64/128 (attn.cu for sm_90a; nil elsewhere), the
+	// GEMMs of up to 128 token rows the gemv and skinny kernels do not
+	// take; gwSmem their dynamic shared memory, gwGrid blocks a launch at
+	// most (the SMs), gwPart their parts ([gwGrid][2][2][64][128] f32) and
+	// gwCnt the counters of gwRowBlocks 128-row blocks (zero between launches).
+	gw            [4]*cu.Function
+	gwSmem        [4]int
+	gwGrid        int
+	gwPart, gwCnt cu.DevicePtr
+}
+
+// gwNT are gemm_wg's token tiles, gw's order; gwRowBlocks bounds a GEMM's
+// 128-row blocks (its counters).
+var gwNT = [4]int{16, 32, 64, 128}
+
+const gwRowBlocks = 2048
+
+// gwSmem is GW_SMEM(nt) (attn.cu): the stages of a 128 x 64 W tile and an
+// nt x 64 X tile, their mbarriers and two flags, from a 1024-byte boundary.
+func gwSmem(nt int) int {
+	stages := 8
+	if nt > 64 {
+		stages = 6
+	}
+	return stages*(128+nt)*64*2 + 2*stages*8 + 16 + 1024
 }
 
 // Launch shapes of the small kernels.
@@ -354,9 +380,8 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 	src, err := csrc.LlamaKernel("attn")
 	aopts := append(opts[:len(opts):len(opts)], fmt.Sprintf("-DTC_WARPS=%d", warps))
 	hopper := false
-	if major, minor, e := b.dev.ComputeCapability(); err == nil && e == nil && major == 9 && minor == 0 && prefill3 &&
-		!b.opts.tune.flashV3 && b.cfg.HeadDim == 128 {
-		// sm_90a: attn_prefill4's wgmma; the rest of attn.cu as for sm_90
+	if major, minor, e := b.dev.ComputeCapability(); err == nil && e == nil && major == 9 && minor == 0 {
+		// sm_90a: gemm_wg's and attn_prefill4's wgmma; the rest of attn.cu as for sm_90
 		if f.tcMod, f.hopperErr = k.LoadSourceSpecific(b.cx, "attn", src, aopts...); f.hopperErr == nil {
 			hopper = true
 		} else {
@@ -369,6 +394,9 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 	if err != nil {
 		b.lg.Warn("attn.cu rejected; attention on attn_decode2 and attn_prefill2", zap.Error(err))
 		return
+	}
+	if hopper && !b.opts.tune.noWG && !b.opts.BatchInvariant {
+		b.loadGemmWG()
 	}
 	if prefill3 {
 		// P3_SMEM(rows / 64): the Q tile and 3 stages of 32-key K and V tiles
@@ -393,7 +421,7 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 				f.flash64, f.flash64Smem, f.flash64Below = p, smem(64), 2*sms
 			}
 		}
-		if hopper && f.attnFlash2 != nil {
+		if hopper && f.attnFlash2 != nil && !b.opts.tune.flashV3 && b.cfg.HeadDim == 128 {
 			// P4_SMEM: the Q tile, 4 stages of 64-key K and V tiles and their
 			// two mbarriers, from a 1024-byte boundary
 			const p4Smem = (128*128+4*2*64*128)*2 + 2*4*8 + 1024
@@ -426,6 +454,40 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 		if w, err := f.tcMod.Function("attn_decode_tc_wide"); err == nil {
 			f.attnTCWide, f.tcWideBelow = w, sms
 		}
+	}
+}
+
+// loadGemmWG takes gemm_wg's kernels from the sm_90a build of attn.cu and
+// allocates their parts and counters; any failure leaves cuBLAS in use.
+func (b *Backend) loadGemmWG() {
+	f := &b.fn
+	sms, err := b.cx.MultiprocessorCount()
+	var fns [4]*cu.Function
+	for i, nt := range gwNT {
+		if err != nil {
+			break
+		}
+		if fns[i], err = f.tcMod.Function(fmt.Sprintf("gemm_wg%d", nt)); err == nil {
+			err = fns[i].SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, gwSmem(nt))
+		}
+	}
+	var part, cnt cu.DevicePtr
+	if err == nil {
+		part, err = b.alloc(uint64(sms) * 4 * 64 * 128 * 4)
+	}
+	if err == nil {
+		cnt, err = b.alloc(2 * gwRowBlocks * 4)
+	}
+	if err == nil {
+		err = b.cx.MemsetD8(cnt, 0, 2*gwRowBlocks*4)
+	}
+	if err != nil {
+		b.lg.Warn("gemm_wg not available; GEMMs of 5..128 tokens on cuBLAS", zap.Error(err))
+		return
+	}
+	f.gw, f.gwGrid, f.gwPart, f.gwCnt = fns, sms, part, cnt
+	for i, nt := range gwNT {
+		f.gwSmem[i] = gwSmem(nt)
 	}
 }
 

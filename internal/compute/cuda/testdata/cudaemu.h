@@ -351,8 +351,8 @@ template <int N> inline void emu_wgmma(float *d, const unsigned *a, uint64_t da,
 	emu_yield(EMU_WG);
 	for (int i = 0; i < N / 2; i++) d[i] = r[i];
 }
-inline void wg_ss64(float (&d)[32], unsigned long long a, unsigned long long b, int acc) {
-	emu_wgmma<64>(d, nullptr, a, b, acc != 0, false);
+template <int N> inline void wg_ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, int acc) {
+	emu_wgmma<N>(d, nullptr, a, b, acc != 0, false);
 }
 inline void wg_rs128(float (&d)[64], const unsigned *a, unsigned long long b) { emu_wgmma<128>(d, a, 0, b, true, true); }
 inline void wg_fence() {}
@@ -360,6 +360,9 @@ inline void wg_commit() {}
 template <int N> inline void wg_wait() {}
 template <int N> inline void wg_hold(float (&)[N]) {}
 inline void fence_async() {}
+inline void wg_sync(int) { emu_yield(EMU_WG); } // bar.sync of the warpgroup's 128 threads
+inline float ld_cg(const float *p) { return *p; }
+inline void __threadfence() {}
 // mbarriers: arrivals left (low 32 bits), arrivals a phase takes (bits
 // 32-61), the current phase's parity (bit 63). cp.async copies land at
 // once, so mb_cp_arrive is an arrival.
