@@ -771,7 +771,6 @@ GW_KERNEL(128)
 #define P4_BQ 128
 #define P4_BK 64
 #define P4_STAGES 4
-#define P4_SLACK 8.f // log2 units
 #define P4_TILE (P4_BK * HEAD_DIM) // elements
 #define P4_SMEM ((P4_BQ * HEAD_DIM + P4_STAGES * 2 * P4_TILE) * 2 + 2 * P4_STAGES * 8 + 1024)
 
@@ -788,10 +787,7 @@ GW_KERNEL(128)
 // tile's O += P.V (4 wgmma, A = P from registers), then runs the online
 // softmax of S while that P.V still runs on the tensor cores; O is rescaled
 // after it lands. The softmax is attn_prefill3's (exp2 units, P rounded to
-// bf16 for P.V, l summed over the unrounded values), except that a row's
-// max moves only when it grows by more than P4_SLACK, and O is rescaled only
-// when some row of the warp moved (ncu: the rescale was the largest item of
-// the softmax's path, two FMULs per S element).
+// bf16 for P.V, l summed over the unrounded values), O rescaled every tile.
 // No branch around a wgmma or its registers (ptxas serialises wgmma in
 // divergent code): every consumer runs every tile, keys past a row's
 // position masked (a tile wholly past a warpgroup's rows costs it work, not
@@ -893,9 +889,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 				}
 			mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
 			mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-			// the max moves only when it grows by more than P4_SLACK (P stays
-			// below 2^P4_SLACK): c is then exactly 1 and O needs no rescale
-			const float mn = mx * scale_log2 > m[hf] + P4_SLACK ? mx * scale_log2 : m[hf];
+			const float mn = fmaxf(m[hf], mx * scale_log2);
 			c[hf] = ex2(m[hf] - mn);
 			float sum = 0.f;
 #pragma unroll
@@ -936,14 +930,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 		wg_wait<0>();
 		wg_hold(o);
 		mb_arrive(empty + (kt - 1) % P4_STAGES); // tile kt-1 read
-		if (__any_sync(0xffffffffu, c[0] != 1.f || c[1] != 1.f)) {
 #pragma unroll
-			for (int nd = 0; nd < HEAD_DIM / 8; nd++) {
-				o[4 * nd] *= c[0];
-				o[4 * nd + 1] *= c[0];
-				o[4 * nd + 2] *= c[1];
-				o[4 * nd + 3] *= c[1];
-			}
+		for (int nd = 0; nd < HEAD_DIM / 8; nd++) {
+			o[4 * nd] *= c[0];
+			o[4 * nd + 1] *= c[0];
+			o[4 * nd + 2] *= c[1];
+			o[4 * nd + 3] *= c[1];
 		}
 		pack();
 		Kp = Ks;

@@ -38,7 +38,7 @@ func TestKernelBench8B(t *testing.T) {
 	}
 	cfg.Layers = 4
 	b := newOrSkip(t, &model.Model{Config: cfg, Random: true}, Options{PageSize: 64, Pages: 16, RandomWeights: true,
-		Seed: 3, DisableCUDAGraph: true, tune: tuning{skinnyMax: skMaxN, fuseCombine: true}})
+		Seed: 3, DisableCUDAGraph: true, tune: tuning{skinnyMax: skMaxN, fuseCombine: true, wg: true}})
 	if b.fn.g2QKV == nil || b.fn.attnDecode2 == nil {
 		t.Fatalf("new kernels not loaded (v2: %v)", b.fn.v2Err)
 	}

@@ -38,7 +38,10 @@ type tuning struct {
 	decodeV1   bool // attn_decode instead of attn_decode2
 	decode2W8  bool // attn_decode2_w8 (8 warps a block) instead of attn_decode2
 	noTC       bool // attn_decode2 instead of attn_decode_tc (attn.cu)
-	noWG       bool // cuBLAS instead of gemm_wg (attn.cu, sm_90a) for 5..128 token rows
+	// wg: gemm_wg (attn.cu, sm_90a) instead of cuBLAS for 5..128 token
+	// rows; off by default: slower than cuBLAS at every 8B shape measured on
+	// an H200 (2026-12-02: 1.03-3.5x cuBLAS's time; docs/BENCHMARKS.md).
+	wg bool
 	tcNarrow   bool // no attn_decode_tc_wide for small grids
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
@@ -395,7 +398,7 @@ func (b *Backend) loadAttn(k *cu.Kernels, opts []string, decodeTC, prefill3 bool
 		b.lg.Warn("attn.cu rejected; attention on attn_decode2 and attn_prefill2", zap.Error(err))
 		return
 	}
-	if hopper && !b.opts.tune.noWG && !b.opts.BatchInvariant {
+	if hopper && b.opts.tune.wg && !b.opts.BatchInvariant {
 		b.loadGemmWG()
 	}
 	if prefill3 {
