@@ -41,8 +41,8 @@ type tuning struct {
 	// wg: gemm_wg (attn.cu, sm_90a) instead of cuBLAS for 5..128 token
 	// rows; off by default: slower than cuBLAS at every 8B shape measured on
 	// an H200 (2026-12-02: 1.03-3.5x cuBLAS's time; docs/BENCHMARKS.md).
-	wg bool
-	tcNarrow   bool // no attn_decode_tc_wide for small grids
+	wg       bool
+	tcNarrow bool // no attn_decode_tc_wide for small grids
 	// fuseCombine: attn_decode2 merges its own splits instead of leaving
 	// them to attn_combine (measured slower on an H200, 2026-12-01: 17.5 vs
 	// 12.5 us a layer at batch 1 ctx 1K, 58 vs 25 at 8K; docs/BENCHMARKS.md).
