@@ -642,6 +642,18 @@ __device__ __forceinline__ float ld_cg(const float *p) {
 // producer warpgroup (threads 256..383) copying W's 128 x 64 and X's NT x 64
 // tile of each unit by cp.async into 128-byte swizzled stages, with full
 // and empty mbarriers as attn_prefill4's. in % 64 == 0.
+// ring_init: the block's n full mbarriers (the producer warpgroup's 128
+// arrivals) and n empty ones (both consumer warpgroups' 256), then a barrier.
+__device__ __forceinline__ void ring_init(unsigned long long *full, unsigned long long *empty, int n) {
+	if (threadIdx.x == 0) {
+		for (int i = 0; i < n; i++) {
+			mb_init(full + i, 128);
+			mb_init(empty + i, 256);
+		}
+		mb_fence_init();
+	}
+	__syncthreads();
+}
 #define GW_BM 128
 #define GW_BK 64
 #define GW_STAGES(NT) ((NT) <= 64 ? 8 : 6)
@@ -658,14 +670,7 @@ __device__ __forceinline__ void gemm_wg(void *Y, const bf16_t *X, const bf16_t *
 	const int nc = in / GW_BK, G = gridDim.x, g = blockIdx.x;
 	const long long U = (long long)((out + GW_BM - 1) / GW_BM) * nc;
 	const long long u0 = (long long)g * U / G, u1 = (long long)(g + 1) * U / G;
-	if (tid == 0) {
-		for (int i = 0; i < S; i++) {
-			mb_init(full + i, 128);
-			mb_init(empty + i, 256);
-		}
-		mb_fence_init();
-	}
-	__syncthreads();
+	ring_init(full, empty, S);
 	if (wg == 2) { // the producer: thread tw copies 16-byte chunk tw%8 of rows tw/8 + 16j
 		const int c8 = (tw & 7) * 8, r0 = tw >> 3;
 		long long i = 0;
@@ -803,14 +808,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) attn_prefill4(P3_ARGS) {
 	const int tid = threadIdx.x, wg = tid >> 7, wq = tid >> 5 & 3, lane = tid & 31, gr = lane >> 2, tg = lane & 3;
 	const int p0 = pos0[b];
 	const int kend = p0 + min(qt0 + P4_BQ, L), nkt = (kend + P4_BK - 1) / P4_BK;
-	if (tid == 0) {
-		for (int i = 0; i < P4_STAGES; i++) {
-			mb_init(full + i, 128);
-			mb_init(empty + i, 256);
-		}
-		mb_fence_init();
-	}
-	__syncthreads();
+	ring_init(full, empty, P4_STAGES);
 	if (wg == 2) { // the producer
 		const int t = tid - 256;
 		const int psh = (page_size & (page_size - 1)) == 0 ? __ffs(page_size) - 1 : -1;
