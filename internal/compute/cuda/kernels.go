@@ -123,7 +123,7 @@ type kernels struct {
 	attnTC, attnTCWide     *cu.Function
 	tcMod                  *cu.Module
 	tcThreads, tcWideBelow int
-	// gw: gemm_wg16/32/64/128 (attn.cu for sm_90a; nil elsewhere), the
+	// gw: gemm_wg16/32/64/128 (attn.cu for sm_90a, tuning wg; nil else), the
 	// GEMMs of up to 128 token rows the gemv and skinny kernels do not
 	// take; gwSmem their dynamic shared memory, gwGrid blocks a launch at
 	// most (the SMs), gwPart their parts ([gwGrid][2][2][64][128] f32) and
