@@ -54,7 +54,6 @@ func TestGemmWGEmulated(t *testing.T) {
 			}
 			if tc.f32 {
 				yf32 = 1
-				y0 = binary.LittleEndian.AppendUint32(nil, 0)[:0]
 				for _, v := range y0f {
 					y0 = binary.LittleEndian.AppendUint32(y0, math.Float32bits(v))
 				}
