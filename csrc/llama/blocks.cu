@@ -71,6 +71,20 @@ __device__ __forceinline__ void cvt8(w8_t r, float *o) {
 #endif
 __device__ __forceinline__ void ld8(const T *p, float *o) { cvt8(ldw8(p), o); }
 
+// blk_pdl_trigger and blk_pdl_wait: llama.cu's pdl_trigger and pdl_wait
+// (programmatic dependent launch, sm_90; no-ops elsewhere) for the kernels
+// here that the backend launches with launchDep.
+__device__ __forceinline__ void blk_pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void blk_pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+	asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // qkn_load reads lane's elements of a head (row, plus bias b unless 0) into
 // v and returns the sum of their squares; qkn_scale sums it over the warp
 // and returns the RMSNorm scale. qk_norm and qk_norm_rope share both.
@@ -147,6 +161,8 @@ extern "C" __global__ void __launch_bounds__(32) qk_norm_rope(T *q, T *kc, T *vc
 	const float *qw, const float *kw, const int *pos, const long long *slot, const float2 *tab,
 	const double *inv_freq, int ntab, int nheads, int nkv, int interleaved, float eps) {
 	__shared__ float hs[HEAD_DIM];
+	blk_pdl_trigger();
+	blk_pdl_wait();
 	const int half = HEAD_DIM / 2;
 	int t = blockIdx.x, h = blockIdx.y;
 	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
@@ -272,28 +288,26 @@ __device__ __forceinline__ void topk_token(int t, int *ids, float *w, const floa
 	for (int j = 0; j < k; j++) {
 		float bv = MOE_NEG_INF;
 		int bi = 0x7fffffff;
-		double be = 0.0;
 #pragma unroll
 		for (int i = 0; i < TOPK_PER; i++) {
 			int e = lane + 32 * i;
 			if (e < E && !(taken >> i & 1u) && (bi == 0x7fffffff || v[i] > bv)) {
 				bv = v[i];
 				bi = e;
-				be = ex[i];
 			}
 		}
 		for (int o = 16; o > 0; o >>= 1) {
 			float ov = __shfl_xor_sync(0xffffffffu, bv, o);
 			int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-			double oe = __shfl_xor_sync(0xffffffffu, be, o);
 			if (oi != 0x7fffffff && (bi == 0x7fffffff || ov > bv || (ov == bv && oi < bi))) {
 				bv = ov;
 				bi = oi;
-				be = oe;
 			}
 		}
 		if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-		float p = (float)(be / s);
+		// the winner's ex[], computed again (the same bits) rather than
+		// carried through the shuffles
+		float p = (float)(exp((double)(bv - mx)) / s);
 		sum += p;
 		if (lane == 0) {
 			ids[(long long)t * k + j] = bi;
@@ -397,6 +411,8 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *
 // tokens of a decode step. Same arguments and results as the two.
 extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int *rows, int *src, int *offs, int *act,
 	int *nact, int *ids, float *w, const float *logits, int n, int stride, int E, int k, int norm) {
+	blk_pdl_trigger();
+	blk_pdl_wait();
 	for (int t = threadIdx.x >> 5; t < n; t += MOE_SORT_WARPS) topk_token(t, ids, w, logits, stride, E, k, norm);
 	__syncthreads();
 	sort_pairs(rows, src, offs, act, nact, ids, n * k, k, E);
@@ -416,6 +432,8 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 template <bool SILU>
 __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
 	const int *nact, const int *offs, int units, int in) {
+	blk_pdl_trigger();
+	blk_pdl_wait();
 	int s = blockIdx.y;
 	if (s >= *nact) return;
 	int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -496,4 +514,77 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu(T *h, const T *X
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_down(float *Y, const T *X, const T *W, const int *act,
 	const int *nact, const int *offs, int out, int in) {
 	moe_gemv<false>(Y, 0, X, W, 0, act, nact, offs, out, in);
+}
+
+// moe_gemv_down_add: moe_gemv_down and moe_combine in one launch, for
+// passes of few (token, expert) pairs: warp o of the grid takes output o
+// of every token, the pairs p = t*k+j in order, DA_P at a time with all
+// their weight chunks in flight: d = W[ids[p]][o] . X[rows[p]] in
+// moe_gemv's chunk order and lane tree, then per token moe_combine's sum
+// over j in order, the shared expert's term and the add to x[t][o]. Equal
+// to the two kernels bit for bit; a weight row is read once a pair (pairs
+// sharing an expert find it in L2). Grid ceil(out/4), 128 threads.
+#define DA_P 8
+#define DA_CH 2
+extern "C" __global__ void __launch_bounds__(128) moe_gemv_down_add(float *x, const T *X, const T *W, const int *ids,
+	const int *rows, const float *w, const float *sh, const float *gate, int gstride, int nk, int k, int out, int in) {
+	blk_pdl_trigger();
+	blk_pdl_wait();
+	int o = blockIdx.x * 4 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+	if (o >= out) return;
+	float acc = 0.f; // moe_combine's o of the token of pair p0
+	for (int p0 = 0; p0 < nk; p0 += DA_P) {
+		const T *wr[DA_P], *xr[DA_P];
+#pragma unroll
+		for (int q = 0; q < DA_P; q++) {
+			int p = min(p0 + q, nk - 1);
+			wr[q] = W + ((long long)ids[p] * out + o) * in;
+			xr[q] = X + (long long)rows[p] * in;
+		}
+		float d[DA_P];
+#pragma unroll
+		for (int q = 0; q < DA_P; q++) d[q] = 0.f;
+		for (int base = 0; base < in; base += DA_CH * 256) {
+			w8_t wv[DA_P][DA_CH];
+#pragma unroll
+			for (int u = 0; u < DA_CH; u++) {
+				int c = base + u * 256 + lane * 8;
+#pragma unroll
+				for (int q = 0; q < DA_P; q++) wv[q][u] = c < in && p0 + q < nk ? ldw8(wr[q] + c) : zw8();
+			}
+#pragma unroll
+			for (int u = 0; u < DA_CH; u++) {
+				int c = base + u * 256 + lane * 8;
+				if (c >= in) break;
+#pragma unroll
+				for (int q = 0; q < DA_P; q++) {
+					if (p0 + q < nk) {
+						float wf[8], xv[8];
+						cvt8(wv[q][u], wf);
+						ld8(xr[q] + c, xv);
+#pragma unroll
+						for (int i = 0; i < 8; i++) d[q] = fmaf(wf[i], xv[i], d[q]);
+					}
+				}
+			}
+		}
+#pragma unroll
+		for (int q = 0; q < DA_P; q++)
+			for (int s = 16; s > 0; s >>= 1) d[q] += __shfl_xor_sync(0xffffffffu, d[q], s);
+#pragma unroll
+		for (int q = 0; q < DA_P; q++) {
+			int p = p0 + q;
+			if (p >= nk) break;
+			acc += w[p] * d[q];
+			if (p % k == k - 1) {
+				long long t = p / k;
+				if (sh) {
+					float g = 1.0f / (1.0f + expf(-gate[t * gstride]));
+					acc += g * sh[t * out + o];
+				}
+				if (lane == 0) x[t * out + o] += acc;
+				acc = 0.f;
+			}
+		}
+	}
 }

@@ -271,7 +271,7 @@ func TestBenchGraph8B(t *testing.T) {
 		name string
 		tu   tuning
 	}{{"new", tuning{}}, {"new-notc", tuning{noTC: true}}, {"new-tcnarrow", tuning{tcNarrow: true}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
-		{"new-nofused", tuning{noFused: true}}, {"new+wg", tuning{wg: true}},
+		{"new-nofused", tuning{noFused: true}}, {"new+wg", tuning{wg: true}}, {"new-nomoeadd", tuning{noMoEAdd: true}},
 		{"old", tuning{noFused: true, decodeV1: true}}} {
 		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {
 			continue

@@ -45,6 +45,7 @@ type blockKernels struct {
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
 	moeRoute, gemvSiLU, gemvDown                    *cu.Function
 	qkNormRope                                      *cu.Function // nil with tuning noQKRope: qk_norm, rope_kv
+	gemvDownAdd                                     *cu.Function // nil with tuning noMoEAdd: moe_gemv_down, moe_combine
 	moeSiLU, moeDown                                *cu.Function // moe_sk_*: bf16 only
 	grouped                                         bool         // the shapes suit the grouped kernels
 	// the grouped GEMMs' split-K: resident blocks of the GPU, and the
@@ -77,13 +78,16 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		name string
 	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
 		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}, {&bk.gemvSiLU, "moe_gemv_silu"},
-		{&bk.gemvDown, "moe_gemv_down"}, {&bk.qkNormRope, "qk_norm_rope"}} {
+		{&bk.gemvDown, "moe_gemv_down"}, {&bk.qkNormRope, "qk_norm_rope"}, {&bk.gemvDownAdd, "moe_gemv_down_add"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
 		}
 	}
 	if b.opts.tune.noQKRope {
 		bk.qkNormRope = nil
+	}
+	if b.opts.tune.noMoEAdd {
+		bk.gemvDownAdd = nil
 	}
 	return nil
 }
@@ -99,6 +103,10 @@ const (
 	// moeGemvMax is the most tokens of a pass whose experts run moe_gemv_*
 	// (weights read once per 4 rows of an expert) rather than moe_sk_*.
 	moeGemvMax = 8
+	// moeAddPairs is the most (token, expert) pairs of a pass of the
+	// grouped GEMVs that run moe_gemv_down_add (a weight row read once a
+	// pair) instead of moe_gemv_down and moe_combine.
+	moeAddPairs = 16
 )
 
 // loadGrouped enables the grouped expert kernels when the expert shapes
@@ -235,7 +243,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		bias := w.bqkv
 		if qkNorm && b.bk.qkNormRope != nil {
 			// The biases, each q and k head's RMSNorm, RoPE and the KV write.
-			r.launch(b.bk.qkNormRope, cu.Dim3{X: nb, Y: uint32(c.Heads + 2*c.KVHeads), Z: 1}, cu.D1(32), 0, d.q, kc, vc,
+			r.launchDep(b.bk.qkNormRope, cu.Dim3{X: nb, Y: uint32(c.Heads + 2*c.KVHeads), Z: 1}, cu.D1(32), 0, d.q, kc, vc,
 				d.qkv, w.bqkv, w.qNorm, w.kNorm, lp.meta(p.pos), lp.slots, b.ropeTab, b.rope, int32(b.ropeN),
 				int32(c.Heads), int32(c.KVHeads), lp.interleaved, c.NormEps)
 			break
@@ -456,7 +464,8 @@ func (b *Backend) moeGroupedFor(n int) bool {
 // moe_route launch for both at decode sizes),
 // then the chosen experts' GEMMs over their rows (the other experts'
 // weights are not read) and the weighted sum added to the residual
-// stream. The grouped forms (lp.grouped: moe_gemv_* for a few tokens,
+// stream (by moe_gemv_down_add itself for a few pairs, else
+// moe_combine). The grouped forms (lp.grouped: moe_gemv_* for a few tokens,
 // moe_sk_* for more; in batch-invariant mode one of them for every pass)
 // read the routing on the device and can be captured; the other copies
 // the expert offsets to the host (a synchronisation) and runs one GEMM per
@@ -491,7 +500,7 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	}
 	mm, _ := moeLayout(m.meta.p, nk, E)
 	if n <= moeRouteMax {
-		r.launch(b.bk.moeRoute, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids, mm.wts,
+		r.launchDep(b.bk.moeRoute, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids, mm.wts,
 			m.logits.p, int32(n), int32(stride), int32(E), int32(K), norm)
 	} else {
 		r.launch(b.bk.moeTopK, cu.D1(uint32(ceilDiv(n, 8))), cu.D1(256), 0, mm.ids, mm.wts, m.logits.p, int32(n), int32(stride),
@@ -500,11 +509,20 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 			int32(nk), int32(K), int32(E))
 	}
 	bk := &b.bk
+	if b.sh.resid() == 0 && r.err == nil {
+		r.err = r.s.MemsetD8(d.x, 0, uint64(n*dim)*4) // the experts' sum adds: it starts at 0
+	}
+	added := false // the experts' weighted sum is in x
 	switch {
 	case lp.grouped && (bk.moeDown == nil || n <= moeGemvMax && !b.opts.BatchInvariant):
-		r.launch(bk.gemvSiLU, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
+		r.launchDep(bk.gemvSiLU, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
 			mm.src, mm.act, mm.nact, mm.offs, int32(I), int32(dim))
-		r.launch(bk.gemvDown, cu.Dim3{X: uint32(ceilDiv(dim, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.ye.p, m.h.p,
+		if added = bk.gemvDownAdd != nil && nk <= moeAddPairs; added {
+			r.launchDep(bk.gemvDownAdd, cu.D1(uint32(ceilDiv(dim, 4))), cu.D1(128), 0, d.x, m.h.p, mw.w2, mm.ids, mm.rows, mm.wts,
+				sh, gate, int32(stride), int32(nk), int32(K), int32(dim), int32(I))
+			break
+		}
+		r.launchDep(bk.gemvDown, cu.Dim3{X: uint32(ceilDiv(dim, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.ye.p, m.h.p,
 			mw.w2, mm.act, mm.nact, mm.offs, int32(dim), int32(I))
 	case lp.grouped:
 		sh := b.moeShapes(n)
@@ -516,11 +534,10 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	default:
 		b.moeExperts(lp, w, mm)
 	}
-	if b.sh.resid() == 0 && r.err == nil {
-		r.err = r.s.MemsetD8(d.x, 0, uint64(n*dim)*4) // moe_combine adds: the partial sum starts at 0
+	if !added {
+		r.launch(b.bk.moeCombine, cu.Dim3{X: uint32(n), Y: uint32(ceilDiv(dim, 256)), Z: 1}, cu.D1(256), 0, d.x, m.ye.p, mm.rows, mm.wts,
+			sh, gate, int32(stride), int32(K), int32(dim))
 	}
-	r.launch(b.bk.moeCombine, cu.Dim3{X: uint32(n), Y: uint32(ceilDiv(dim, 256)), Z: 1}, cu.D1(256), 0, d.x, m.ye.p, mm.rows, mm.wts, sh, gate,
-		int32(stride), int32(K), int32(dim))
 	b.allReduce(lp)
 }
 

@@ -351,26 +351,8 @@ func TestGroupedGEMVEmulated(t *testing.T) {
 				ids = append(ids, (tk+j*2)%(E-1))
 			}
 		}
-		offs := make([]int32, E+1)
-		for _, id := range ids {
-			offs[id+1]++
-		}
-		for e := 0; e < E; e++ {
-			offs[e+1] += offs[e]
-		}
-		next := append([]int32(nil), offs[:E]...)
+		_, src, offs, act := sortedRouting(ids, E, k)
 		rows := len(ids)
-		src := make([]int32, rows)
-		for p, id := range ids {
-			src[next[id]] = int32(p / k)
-			next[id]++
-		}
-		var act []int32
-		for e := 0; e < E; e++ {
-			if offs[e+1] > offs[e] {
-				act = append(act, int32(e))
-			}
-		}
 		actE := append(append([]int32(nil), act...), make([]int32, E-len(act))...)
 		for _, silu := range []bool{true, false} {
 			for _, tc := range []struct{ units, in int }{{13, 40}, {24, 1032}} {
@@ -428,6 +410,99 @@ func TestGroupedGEMVEmulated(t *testing.T) {
 									g, want, tol)
 							}
 						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// sortedRouting is moe_sort's result for pairs p (token p/k) choosing
+// experts ids[p] of E: each pair's sorted row, each row's token, the
+// experts' offsets (E+1) and the experts with rows.
+func sortedRouting(ids []int, E, k int) (rows, src, offs, act []int32) {
+	offs = make([]int32, E+1)
+	for _, id := range ids {
+		offs[id+1]++
+	}
+	for e := 0; e < E; e++ {
+		offs[e+1] += offs[e]
+	}
+	next := append([]int32(nil), offs[:E]...)
+	rows, src = make([]int32, len(ids)), make([]int32, len(ids))
+	for p, id := range ids {
+		rows[p] = next[id]
+		src[next[id]] = int32(p / k)
+		next[id]++
+	}
+	for e := 0; e < E; e++ {
+		if offs[e+1] > offs[e] {
+			act = append(act, int32(e))
+		}
+	}
+	return rows, src, offs, act
+}
+
+// TestGEMVDownAddEmulated runs moe_gemv_down_add on the host against
+// moe_gemv_down followed by moe_combine (both emulated) over the same
+// routing: x bit for bit, in bf16 and float32, with and without the gated
+// shared expert, for pair counts below, at and past one DA_P group with
+// tokens whose pairs straddle two groups, experts shared between tokens,
+// and input lengths below and past one DA_CH pass; and, so that equal
+// wrong answers cannot pass, x against a float64 reference.
+func TestGEMVDownAddEmulated(t *testing.T) {
+	for _, bf := range []bool{true, false} {
+		bin := blocksEmu(t, 64, bf)
+		r := rand.New(rand.NewPCG(9, 10))
+		for _, tc := range []struct{ E, n, k, out, in int }{{16, 1, 8, 24, 1032}, {6, 5, 3, 13, 40}, {8, 4, 2, 9, 520}, {5, 2, 1, 5, 8}} {
+			var ids []int
+			for tk := 0; tk < tc.n; tk++ {
+				for _, e := range r.Perm(tc.E)[:tc.k] {
+					ids = append(ids, e)
+				}
+			}
+			nk := len(ids)
+			rows, _, offs, act := sortedRouting(ids, tc.E, tc.k)
+			actE := append(append([]int32(nil), act...), make([]int32, tc.E-len(act))...)
+			ids32 := make([]int32, nk)
+			for i, v := range ids {
+				ids32[i] = int32(v)
+			}
+			const gs = 3
+			for hs := range int32(2) {
+				X, W := randF32(r, nk*tc.in, 1), randF32(r, tc.E*tc.out*tc.in, 0.2)
+				if bf {
+					X, W = bf16Round(X), bf16Round(W)
+				}
+				w, x := randF32(r, nk, 0.5), randF32(r, tc.n*tc.out, 1)
+				sh, gate := randF32(r, tc.n*tc.out, 1), randF32(r, tc.n*gs, 2)
+				var in bytes.Buffer
+				put(t, &in, int32(7), int32(tc.E), int32(tc.out), int32(tc.in), int32(tc.n), int32(tc.k), hs, int32(gs), int32(len(act)),
+					ids32, rows, actE, offs)
+				putT(t, &in, bf, X)
+				putT(t, &in, bf, W)
+				put(t, &in, w, x, sh, gate)
+				got := emuCall[float32](t, bin, &in, 2*tc.n*tc.out)
+				fused, sep := got[:tc.n*tc.out], got[tc.n*tc.out:]
+				for i := range fused {
+					tk, o := i/tc.out, i%tc.out
+					if math.Float32bits(fused[i]) != math.Float32bits(sep[i]) {
+						t.Fatalf("bf16 %v %+v shared %d: x[%d][%d] %v, moe_gemv_down + moe_combine %v", bf, tc, hs, tk, o, fused[i], sep[i])
+					}
+					want, mag := float64(x[i]), math.Abs(float64(x[i]))
+					for j := 0; j < tc.k; j++ {
+						p := tk*tc.k + j
+						for c := 0; c < tc.in; c++ {
+							v := float64(w[p]) * float64(W[(ids[p]*tc.out+o)*tc.in+c]) * float64(X[int(rows[p])*tc.in+c])
+							want, mag = want+v, mag+math.Abs(v)
+						}
+					}
+					if hs == 1 {
+						v := float64(sh[i]) / (1 + math.Exp(-float64(gate[tk*gs])))
+						want, mag = want+v, mag+math.Abs(v)
+					}
+					if d := math.Abs(float64(fused[i]) - want); d > 1e-5*mag+1e-6 {
+						t.Fatalf("bf16 %v %+v shared %d: x[%d][%d] %v, want %v", bf, tc, hs, tk, o, fused[i], want)
 					}
 				}
 			}

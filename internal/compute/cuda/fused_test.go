@@ -148,42 +148,50 @@ func TestResidentBlocks(t *testing.T) {
 	}
 }
 
-// TestFusedMoE checks the fused decode layer of a q/k-norm MoE model
-// (tiny-qwen3-moe, bfloat16: gemv2_norm for the QKV projection and for the
-// router, whose block 0 also writes the experts' normalised x; qk_norm_rope)
-// against the separate kernels (rmsnorm, gemv_*, qk_norm, rope_kv): logits
-// bit for bit over prefill and decode at batch sizes 1 to 4 and 6 (past the
-// fused layer: qk_norm_rope against qk_norm + rope_kv alone).
+// TestFusedMoE checks the fused decode layer of the MoE models (bfloat16:
+// gemv2_norm for the QKV projection and for the router, whose block 0 also
+// writes the experts' normalised x; tiny-qwen3-moe's qk_norm_rope;
+// moe_gemv_down_add for passes of at most moeAddPairs pairs; tiny-qwen2-moe
+// with its gated shared expert, tiny-mixtral with top 2) against the
+// separate kernels (rmsnorm, gemv_*, qk_norm, rope_kv, moe_gemv_down,
+// moe_combine): logits bit for bit over prefill and decode at batch sizes 1
+// to 4 and 6 (past the fused layer: qk_norm_rope against qk_norm + rope_kv
+// alone).
 func TestFusedMoE(t *testing.T) {
-	m, err := model.NewRandom("tiny-qwen3-moe", 17)
-	if err != nil {
-		t.Fatal(err)
-	}
-	V := m.Config.Vocab
-	groups := []int{1, 2, 3, 4, 6}
-	const per, steps = 12, 6
-	mk := bf16Maker(t, m, groups, per)
-	old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true})
-	fused := mk(tuning{decodeV1: true})
-	if fused.fn.g2Norm == nil || fused.bk.qkNormRope == nil || !fused.moeCapturable() {
-		t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, grouped experts %v", fused.fn.v2Err,
-			fused.bk.qkNormRope != nil, fused.moeCapturable())
-	}
-	if old.fn.g2QKV != nil || old.bk.qkNormRope != nil {
-		t.Fatal("the old-kernels backend loaded new kernels")
-	}
-	r := newRand(29)
-	base := 0
-	for _, n := range groups {
-		prompts := make([][]int32, n)
-		for i := range prompts {
-			prompts[i] = randPrompt(r, 3+13*i%40, V) // 3 tokens: a prefill through the fused layer
-		}
-		res := lockstep(t, []*Backend{old, fused}, prompts, base, per, steps)
-		base += n
-		if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
-			t.Errorf("batch %d: fused vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
-		}
+	for _, shape := range []string{"tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-mixtral"} {
+		t.Run(shape, func(t *testing.T) {
+			m, err := model.NewRandom(shape, 17)
+			if err != nil {
+				t.Fatal(err)
+			}
+			V := m.Config.Vocab
+			groups := []int{1, 2, 3, 4, 6}
+			const per, steps = 12, 6
+			mk := bf16Maker(t, m, groups, per)
+			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true, noMoEAdd: true})
+			fused := mk(tuning{decodeV1: true})
+			if fused.fn.g2Norm == nil || fused.bk.gemvDownAdd == nil || !fused.moeCapturable() ||
+				m.Config.Spec.Attention.QKNorm && fused.bk.qkNormRope == nil {
+				t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, moe_gemv_down_add %v, grouped experts %v",
+					fused.fn.v2Err, fused.bk.qkNormRope != nil, fused.bk.gemvDownAdd != nil, fused.moeCapturable())
+			}
+			if old.fn.g2QKV != nil || old.bk.qkNormRope != nil || old.bk.gemvDownAdd != nil {
+				t.Fatal("the old-kernels backend loaded new kernels")
+			}
+			r := newRand(29)
+			base := 0
+			for _, n := range groups {
+				prompts := make([][]int32, n)
+				for i := range prompts {
+					prompts[i] = randPrompt(r, 3+13*i%40, V) // 3 tokens: a prefill through the fused layer
+				}
+				res := lockstep(t, []*Backend{old, fused}, prompts, base, per, steps)
+				base += n
+				if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
+					t.Errorf("batch %d: fused vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+				}
+			}
+		})
 	}
 }
 

@@ -63,6 +63,9 @@ type tuning struct {
 	// noQKRope: q/k-norm models run qk_norm and rope_kv instead of
 	// qk_norm_rope (the reference TestFusedDecode compares against).
 	noQKRope bool
+	// noMoEAdd: the grouped expert GEMVs end in moe_gemv_down and
+	// moe_combine instead of moe_gemv_down_add.
+	noMoEAdd bool
 }
 
 // v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that

@@ -16,6 +16,11 @@
 //            src [rows], X T [tokens (silu) or rows][in], W T
 //            [E][(2 if silu) units][in]; moe_gemv_silu or moe_gemv_down;
 //            out h T or Y f32 [rows][units].
+//   down_add: E, out, in, n, k, has shared, gstride, nact, ids [n*k],
+//            rows [n*k], act [E], offs [E+1], X T [n*k][in], W T
+//            [E][out][in], w f32 [n*k], x f32 [n][out], sh f32 [n][out],
+//            gate f32 [n][gstride]; out x after moe_gemv_down_add, then x
+//            after moe_gemv_down and moe_combine.
 //   qk_norm_rope: n, heads, kv heads, has bias, interleaved, ntab, cache
 //            elements, eps (f32), qkv f32 [n][W], bias f32 [W], qw, kw f32
 //            [HEAD_DIM], pos [n], slot int64 [n], tab f32 [ntab][HEAD_DIM/2][2],
@@ -140,6 +145,33 @@ int main(int argc, char **argv) {
 			wrv(q, n * QD);
 			wrv(kc, ce);
 			wrv(vc, ce);
+		} else if (op == 7) {
+			int E = rd(), out = rd(), n = rd(), nt = rd(), k = rd(), hs = rd(), gs = rd(), na = rd();
+			int nk = nt * k;
+			std::vector<int> ids, rows, act, offs, nact(1, na);
+			rdv(ids, nk);
+			rdv(rows, nk);
+			rdv(act, E);
+			rdv(offs, E + 1);
+			std::vector<T> X, W;
+			rdv(X, (size_t)nk * n);
+			rdv(W, (size_t)E * out * n);
+			std::vector<float> w, x, sh, gate, Y((size_t)nk * out + 1);
+			rdv(w, nk);
+			rdv(x, (size_t)nt * out);
+			rdv(sh, (size_t)nt * out);
+			rdv(gate, (size_t)nt * gs);
+			const float *shp = hs ? sh.data() : nullptr, *gp = hs ? gate.data() : nullptr;
+			std::vector<float> x2 = x;
+			emu_launch(moe_gemv_down_add, {(unsigned)(out + 3) / 4, 1, 1}, 128, x.data(), (const T *)X.data(),
+				   (const T *)W.data(), (const int *)ids.data(), (const int *)rows.data(), (const float *)w.data(), shp, gp,
+				   gs, nk, k, out, n);
+			emu_launch(moe_gemv_down, {(unsigned)(out + 7) / 8, (unsigned)E, 1}, 256, Y.data(), (const T *)X.data(),
+				   (const T *)W.data(), (const int *)act.data(), (const int *)nact.data(), (const int *)offs.data(), out, n);
+			emu_launch(moe_combine, {(unsigned)nt, 1, 1}, 64, x2.data(), (const float *)Y.data(), (const int *)rows.data(),
+				   (const float *)w.data(), shp, gp, gs, k, out);
+			wrv(x, (size_t)nt * out);
+			wrv(x2, (size_t)nt * out);
 		} else {
 			return 3;
 		}
