@@ -421,14 +421,17 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 // moe_gemv: the grouped GEMVs of experts with few rows each (decode), for
 // any T: block (x, s) takes the s-th expert with rows (e = act[s], s <
 // *nact, as moe_sk), each of its 8 warps one unit of outputs, the weight
-// rows read once per GEMV_T of the expert's rows (16-byte loads, 4 chunks
-// in flight per row and lane). Each lane sums its chunks in order, then the
+// rows read once per GEMV_T of the expert's rows (16-byte loads, MG_CH
+// chunks in flight per row and lane). Each lane sums its chunks in order, then the
 // warp's lanes by a fixed tree: a row's result depends on nothing else in
 // the pass. in % 8 == 0.
 //   SILU  unit o < hidden: rows o and hidden+o of W ([E][2*hidden][in]);
 //         h[r][o] = silu(g) * u (g, u rounded to T first), x = X[src[r]]
 //   DOWN  unit o < out: row o of W ([E][out][in]); Y[r][o] (f32) = X[r] . W[o]
 #define GEMV_T 4
+#ifndef MG_CH
+#define MG_CH 4
+#endif
 template <bool SILU>
 __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
 	const int *nact, const int *offs, int units, int in) {
@@ -453,16 +456,16 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 		float acc[2][GEMV_T];
 #pragma unroll
 		for (int j = 0; j < GEMV_T; j++) acc[0][j] = acc[1][j] = 0.f;
-		for (int base = 0; base < in; base += 4 * 256) {
-			w8_t wv[2][4];
+		for (int base = 0; base < in; base += MG_CH * 256) {
+			w8_t wv[2][MG_CH];
 #pragma unroll
-			for (int u = 0; u < 4; u++) {
+			for (int u = 0; u < MG_CH; u++) {
 				int c = base + u * 256 + lane * 8;
 #pragma unroll
 				for (int q = 0; q < nrow; q++) wv[q][u] = c < in ? ldw8((q ? w1 : w0) + c) : zw8();
 			}
 #pragma unroll
-			for (int u = 0; u < 4; u++) {
+			for (int u = 0; u < MG_CH; u++) {
 				int c = base + u * 256 + lane * 8;
 				if (c >= in) break;
 				float wf[2][8];
@@ -523,9 +526,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_down(float *Y, const 
 // moe_gemv's chunk order and lane tree, then per token moe_combine's sum
 // over j in order, the shared expert's term and the add to x[t][o]. Equal
 // to the two kernels bit for bit; a weight row is read once a pair (pairs
-// sharing an expert find it in L2). Grid ceil(out/4), 128 threads.
+// sharing an expert find it in L2). Grid ceil(out/4), 128 threads. DA_PRE:
+// X's chunks are loaded with the weights' rather than after them.
+#ifndef DA_P
 #define DA_P 8
+#endif
+#ifndef DA_CH
 #define DA_CH 2
+#endif
+#ifndef DA_PRE
+#define DA_PRE 0
+#endif
 extern "C" __global__ void __launch_bounds__(128) moe_gemv_down_add(float *x, const T *X, const T *W, const int *ids,
 	const int *rows, const float *w, const float *sh, const float *gate, int gstride, int nk, int k, int out, int in) {
 	blk_pdl_trigger();
@@ -546,11 +557,20 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemv_down_add(float *x, co
 		for (int q = 0; q < DA_P; q++) d[q] = 0.f;
 		for (int base = 0; base < in; base += DA_CH * 256) {
 			w8_t wv[DA_P][DA_CH];
+#if DA_PRE
+			w8_t xw[DA_P][DA_CH];
+#endif
 #pragma unroll
 			for (int u = 0; u < DA_CH; u++) {
 				int c = base + u * 256 + lane * 8;
 #pragma unroll
-				for (int q = 0; q < DA_P; q++) wv[q][u] = c < in && p0 + q < nk ? ldw8(wr[q] + c) : zw8();
+				for (int q = 0; q < DA_P; q++) {
+					bool ok = c < in && p0 + q < nk;
+					wv[q][u] = ok ? ldw8(wr[q] + c) : zw8();
+#if DA_PRE
+					xw[q][u] = ok ? ldw8(xr[q] + c) : zw8();
+#endif
+				}
 			}
 #pragma unroll
 			for (int u = 0; u < DA_CH; u++) {
@@ -561,7 +581,11 @@ extern "C" __global__ void __launch_bounds__(128) moe_gemv_down_add(float *x, co
 					if (p0 + q < nk) {
 						float wf[8], xv[8];
 						cvt8(wv[q][u], wf);
+#if DA_PRE
+						cvt8(xw[q][u], xv);
+#else
 						ld8(xr[q] + c, xv);
+#endif
 #pragma unroll
 						for (int i = 0; i < 8; i++) d[q] = fmaf(wf[i], xv[i], d[q]);
 					}

@@ -250,7 +250,8 @@ func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
 // then the Go sampler over the rows one after the other, as the engine does)
 // or on the GPU (ForwardSample, replaying sampling graphs), and greedy on the
 // GPU, with the gap between steps. Runs only with MOONCAKE_BENCH=1;
-// BENCH_OUT=file receives the table.
+// BENCH_OUT=file receives the table; MOONCAKE_BENCH_VARIANTS picks kernel
+// sets and MOONCAKE_BENCH_RUNS runs ("1x1024,8x8192").
 func TestBenchGraph8B(t *testing.T) {
 	if os.Getenv("MOONCAKE_BENCH") == "" {
 		t.Skip("set MOONCAKE_BENCH=1 to run the 8B-shape benchmark")
@@ -272,6 +273,9 @@ func TestBenchGraph8B(t *testing.T) {
 		tu   tuning
 	}{{"new", tuning{}}, {"new-notc", tuning{noTC: true}}, {"new-tcnarrow", tuning{tcNarrow: true}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
 		{"new-nofused", tuning{noFused: true}}, {"new+wg", tuning{wg: true}}, {"new-nomoeadd", tuning{noMoEAdd: true}},
+		{"new+da4", tuning{blocksDefs: "-DDA_P=4"}}, {"new+pre", tuning{blocksDefs: "-DDA_PRE=1"}},
+		{"new+da4pre", tuning{blocksDefs: "-DDA_P=4 -DDA_PRE=1"}}, {"new+da8x1pre", tuning{blocksDefs: "-DDA_CH=1 -DDA_PRE=1"}},
+		{"new+mg8", tuning{blocksDefs: "-DMG_CH=8"}},
 		{"old", tuning{noFused: true, decodeV1: true}}} {
 		if only := os.Getenv("MOONCAKE_BENCH_VARIANTS"); only != "" && !slices.Contains(strings.Split(only, ","), v.name) {
 			continue
@@ -294,6 +298,11 @@ var bestBW float64
 func benchGraph(t *testing.T, cfg model.Config, name string, tu tuning, withSampling bool) []string {
 	const ps = 64
 	runs := []struct{ bs, ctx int }{{1, 1024}, {32, 1024}, {64, 1024}, {128, 1024}, {8, 8192}}
+	if only := os.Getenv("MOONCAKE_BENCH_RUNS"); only != "" { // e.g. "1x1024,8x8192"
+		runs = slices.DeleteFunc(runs, func(r struct{ bs, ctx int }) bool {
+			return !slices.Contains(strings.Split(only, ","), fmt.Sprintf("%dx%d", r.bs, r.ctx))
+		})
+	}
 	per1K, per8K := ceilDiv(1024+1, ps), ceilDiv(8192+1, ps)
 	pages := 128*per1K + 8*per8K
 	t0 := time.Now()

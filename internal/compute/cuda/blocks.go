@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"unsafe"
 
 	"github.com/mooncake-go/mooncake-go/csrc"
@@ -70,6 +72,7 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		return fmt.Errorf("cuda backend: kernel source: %w", err)
 	}
 	bk := &b.bk
+	opts = append(slices.Clip(opts), strings.Fields(b.opts.tune.blocksDefs)...)
 	if bk.mod, err = k.LoadSource(b.cx, "blocks", src, opts...); err != nil {
 		return fmt.Errorf("cuda backend: block kernels: %w", err)
 	}

@@ -14,16 +14,16 @@ import (
 )
 
 // blocksEmu compiles testdata/blocks_emu.cpp with csrc/llama/blocks.cu for
-// a head dim and storage type.
-func blocksEmu(t *testing.T, headDim int, bf16 bool) string {
+// a head dim and storage type, and any further macros.
+func blocksEmu(t *testing.T, headDim int, bf16 bool, defs ...string) string {
 	t.Helper()
 	src, _ := filepath.Abs("../../../csrc/llama/blocks.cu")
 	bf := 0
 	if bf16 {
 		bf = 1
 	}
-	return emuCompile(t, "blocks_emu", fmt.Sprintf("-DHEAD_DIM=%d", headDim), fmt.Sprintf("-DUSE_BF16=%d", bf),
-		`-DBLOCKS_CU="`+src+`"`)
+	return emuCompile(t, "blocks_emu", append([]string{fmt.Sprintf("-DHEAD_DIM=%d", headDim), fmt.Sprintf("-DUSE_BF16=%d", bf),
+		`-DBLOCKS_CU="` + src + `"`}, defs...)...)
 }
 
 // emuCompile builds testdata/<name>.cpp, a kernel emulation through
@@ -448,11 +448,16 @@ func sortedRouting(ids []int, E, k int) (rows, src, offs, act []int32) {
 // routing: x bit for bit, in bf16 and float32, with and without the gated
 // shared expert, for pair counts below, at and past one DA_P group with
 // tokens whose pairs straddle two groups, experts shared between tokens,
-// and input lengths below and past one DA_CH pass; and, so that equal
+// and input lengths below and past one DA_CH pass, in the kernel's default
+// build and the variants tuning blocksDefs selects; and, so that equal
 // wrong answers cannot pass, x against a float64 reference.
 func TestGEMVDownAddEmulated(t *testing.T) {
-	for _, bf := range []bool{true, false} {
-		bin := blocksEmu(t, 64, bf)
+	for _, v := range []struct {
+		bf   bool
+		defs []string
+	}{{true, nil}, {false, nil}, {true, []string{"-DDA_P=4", "-DDA_PRE=1"}}, {true, []string{"-DDA_CH=1", "-DDA_PRE=1"}}} {
+		bf := v.bf
+		bin := blocksEmu(t, 64, bf, v.defs...)
 		r := rand.New(rand.NewPCG(9, 10))
 		for _, tc := range []struct{ E, n, k, out, in int }{{16, 1, 8, 24, 1032}, {6, 5, 3, 13, 40}, {8, 4, 2, 9, 520}, {5, 2, 1, 5, 8}} {
 			var ids []int
@@ -487,7 +492,7 @@ func TestGEMVDownAddEmulated(t *testing.T) {
 				for i := range fused {
 					tk, o := i/tc.out, i%tc.out
 					if math.Float32bits(fused[i]) != math.Float32bits(sep[i]) {
-						t.Fatalf("bf16 %v %+v shared %d: x[%d][%d] %v, moe_gemv_down + moe_combine %v", bf, tc, hs, tk, o, fused[i], sep[i])
+						t.Fatalf("bf16 %v %v %+v shared %d: x[%d][%d] %v, moe_gemv_down + moe_combine %v", bf, v.defs, tc, hs, tk, o, fused[i], sep[i])
 					}
 					want, mag := float64(x[i]), math.Abs(float64(x[i]))
 					for j := 0; j < tc.k; j++ {
@@ -502,7 +507,7 @@ func TestGEMVDownAddEmulated(t *testing.T) {
 						want, mag = want+v, mag+math.Abs(v)
 					}
 					if d := math.Abs(float64(fused[i]) - want); d > 1e-5*mag+1e-6 {
-						t.Fatalf("bf16 %v %+v shared %d: x[%d][%d] %v, want %v", bf, tc, hs, tk, o, fused[i], want)
+						t.Fatalf("bf16 %v %v %+v shared %d: x[%d][%d] %v, want %v", bf, v.defs, tc, hs, tk, o, fused[i], want)
 					}
 				}
 			}

@@ -66,6 +66,9 @@ type tuning struct {
 	// noMoEAdd: the grouped expert GEMVs end in moe_gemv_down and
 	// moe_combine instead of moe_gemv_down_add.
 	noMoEAdd bool
+	// blocksDefs: extra NVRTC macros for the blocks kernel set (space
+	// separated, "-DDA_P=4 -DDA_PRE=1"), for kernel experiments.
+	blocksDefs string
 }
 
 // v2Failed remembers NVRTC option sets whose MC_V2 build failed, so that
