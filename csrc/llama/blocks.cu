@@ -421,18 +421,15 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 // moe_gemv: the grouped GEMVs of experts with few rows each (decode), for
 // any T: block (x, s) takes the s-th expert with rows (e = act[s], s <
 // *nact, as moe_sk), each of its 8 warps one unit of outputs, the weight
-// rows read once per GEMV_T of the expert's rows (16-byte loads, MG_CH
-// chunks in flight per row and lane). Each lane sums its chunks in order, then the
-// warp's lanes by a fixed tree: a row's result depends on nothing else in
-// the pass. in % 8 == 0.
+// rows read once per GT of the expert's rows (16-byte loads, CH chunks in
+// flight per row and lane; with PRE the rows' X chunks too, else X is read
+// after the weights). Each lane sums its chunks in order, then the warp's
+// lanes by a fixed tree: a row's result depends on nothing else in the
+// pass (nor on GT, CH or PRE). in % 8 == 0.
 //   SILU  unit o < hidden: rows o and hidden+o of W ([E][2*hidden][in]);
 //         h[r][o] = silu(g) * u (g, u rounded to T first), x = X[src[r]]
 //   DOWN  unit o < out: row o of W ([E][out][in]); Y[r][o] (f32) = X[r] . W[o]
-#define GEMV_T 4
-#ifndef MG_CH
-#define MG_CH 4
-#endif
-template <bool SILU>
+template <bool SILU, int GT, int CH, bool PRE>
 __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
 	const int *nact, const int *offs, int units, int in) {
 	blk_pdl_trigger();
@@ -445,37 +442,44 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 	const int nrow = SILU ? 2 : 1;
 	const T *w0 = W + ((long long)e * nrow * units + o) * in;
 	const T *w1 = w0 + (long long)units * in;
-	for (int t0 = 0; t0 < rows; t0 += GEMV_T) {
-		int nt = min(GEMV_T, rows - t0);
-		const T *xr[GEMV_T];
+	for (int t0 = 0; t0 < rows; t0 += GT) {
+		int nt = min(GT, rows - t0);
+		const T *xr[GT];
 #pragma unroll
-		for (int j = 0; j < GEMV_T; j++) {
+		for (int j = 0; j < GT; j++) {
 			int r = r0 + t0 + min(j, nt - 1);
 			xr[j] = X + (long long)(src ? src[r] : r) * in;
 		}
-		float acc[2][GEMV_T];
+		float acc[2][GT];
 #pragma unroll
-		for (int j = 0; j < GEMV_T; j++) acc[0][j] = acc[1][j] = 0.f;
-		for (int base = 0; base < in; base += MG_CH * 256) {
-			w8_t wv[2][MG_CH];
+		for (int j = 0; j < GT; j++) acc[0][j] = acc[1][j] = 0.f;
+		for (int base = 0; base < in; base += CH * 256) {
+			w8_t wv[2][CH], xw[PRE ? GT : 1][CH];
 #pragma unroll
-			for (int u = 0; u < MG_CH; u++) {
+			for (int u = 0; u < CH; u++) {
 				int c = base + u * 256 + lane * 8;
 #pragma unroll
 				for (int q = 0; q < nrow; q++) wv[q][u] = c < in ? ldw8((q ? w1 : w0) + c) : zw8();
+				if (PRE) {
+#pragma unroll
+					for (int j = 0; j < GT; j++) xw[j][u] = c < in && j < nt ? ldw8(xr[j] + c) : zw8();
+				}
 			}
 #pragma unroll
-			for (int u = 0; u < MG_CH; u++) {
+			for (int u = 0; u < CH; u++) {
 				int c = base + u * 256 + lane * 8;
 				if (c >= in) break;
 				float wf[2][8];
 #pragma unroll
 				for (int q = 0; q < nrow; q++) cvt8(wv[q][u], wf[q]);
 #pragma unroll
-				for (int j = 0; j < GEMV_T; j++) {
+				for (int j = 0; j < GT; j++) {
 					if (j < nt) {
 						float xv[8];
-						ld8(xr[j] + c, xv);
+						if (PRE)
+							cvt8(xw[PRE ? j : 0][u], xv);
+						else
+							ld8(xr[j] + c, xv);
 #pragma unroll
 						for (int q = 0; q < nrow; q++)
 #pragma unroll
@@ -485,13 +489,13 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 			}
 		}
 #pragma unroll
-		for (int j = 0; j < GEMV_T; j++)
+		for (int j = 0; j < GT; j++)
 #pragma unroll
 			for (int q = 0; q < nrow; q++)
 				for (int d = 16; d > 0; d >>= 1) acc[q][j] += __shfl_xor_sync(0xffffffffu, acc[q][j], d);
 		if (lane == 0) {
 #pragma unroll
-			for (int j = 0; j < GEMV_T; j++) {
+			for (int j = 0; j < GT; j++) {
 				if (j >= nt) break;
 				long long r = r0 + t0 + j;
 				if (SILU) {
@@ -511,12 +515,26 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 // moe_gemv_silu: grid (ceil(hidden/8), slots), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu(T *h, const T *X, const T *W, const int *src,
 	const int *act, const int *nact, const int *offs, int hidden, int in) {
-	moe_gemv<true>(0, h, X, W, src, act, nact, offs, hidden, in);
+	moe_gemv<true, 4, 4, false>(0, h, X, W, src, act, nact, offs, hidden, in);
+}
+// moe_gemv_silu1: moe_gemv_silu (the same bits) for passes whose experts
+// have one row each (a pass of one token), X prefetched with the weights
+// (S1_OFF: moe_gemv_silu's form, for comparisons).
+#ifndef S1_CH
+#define S1_CH 4
+#endif
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu1(T *h, const T *X, const T *W, const int *src,
+	const int *act, const int *nact, const int *offs, int hidden, int in) {
+#if S1_OFF
+	moe_gemv<true, 4, 4, false>(0, h, X, W, src, act, nact, offs, hidden, in);
+#else
+	moe_gemv<true, 1, S1_CH, true>(0, h, X, W, src, act, nact, offs, hidden, in);
+#endif
 }
 // moe_gemv_down: grid (ceil(out/8), slots), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_down(float *Y, const T *X, const T *W, const int *act,
 	const int *nact, const int *offs, int out, int in) {
-	moe_gemv<false>(Y, 0, X, W, 0, act, nact, offs, out, in);
+	moe_gemv<false, 4, 4, false>(Y, 0, X, W, 0, act, nact, offs, out, in);
 }
 
 // moe_gemv_down_add: moe_gemv_down and moe_combine in one launch, for
@@ -527,15 +545,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_down(float *Y, const 
 // over j in order, the shared expert's term and the add to x[t][o]. Equal
 // to the two kernels bit for bit; a weight row is read once a pair (pairs
 // sharing an expert find it in L2). Grid ceil(out/4), 128 threads. DA_PRE:
-// X's chunks are loaded with the weights' rather than after them.
+// X's chunks are loaded with the weights' rather than after them (at
+// qwen3-30b-a3b batch 1 DA_P 4 with DA_PRE took 3.51 ms a step, DA_P 8
+// without 3.72: docs/BENCHMARKS.md).
 #ifndef DA_P
-#define DA_P 8
+#define DA_P 4
 #endif
 #ifndef DA_CH
 #define DA_CH 2
 #endif
 #ifndef DA_PRE
-#define DA_PRE 0
+#define DA_PRE 1
 #endif
 extern "C" __global__ void __launch_bounds__(128) moe_gemv_down_add(float *x, const T *X, const T *W, const int *ids,
 	const int *rows, const float *w, const float *sh, const float *gate, int gstride, int nk, int k, int out, int in) {

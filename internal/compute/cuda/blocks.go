@@ -45,7 +45,7 @@ func Supports(c model.Config) error {
 type blockKernels struct {
 	mod                                             *cu.Module
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
-	moeRoute, gemvSiLU, gemvDown                    *cu.Function
+	moeRoute, gemvSiLU, gemvSiLU1, gemvDown         *cu.Function
 	qkNormRope                                      *cu.Function // nil with tuning noQKRope: qk_norm, rope_kv
 	gemvDownAdd                                     *cu.Function // nil with tuning noMoEAdd: moe_gemv_down, moe_combine
 	moeSiLU, moeDown                                *cu.Function // moe_sk_*: bf16 only
@@ -80,7 +80,7 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		dst  **cu.Function
 		name string
 	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
-		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}, {&bk.gemvSiLU, "moe_gemv_silu"},
+		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}, {&bk.gemvSiLU, "moe_gemv_silu"}, {&bk.gemvSiLU1, "moe_gemv_silu1"},
 		{&bk.gemvDown, "moe_gemv_down"}, {&bk.qkNormRope, "qk_norm_rope"}, {&bk.gemvDownAdd, "moe_gemv_down_add"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
@@ -518,7 +518,11 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	added := false // the experts' weighted sum is in x
 	switch {
 	case lp.grouped && (bk.moeDown == nil || n <= moeGemvMax && !b.opts.BatchInvariant):
-		r.launchDep(bk.gemvSiLU, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
+		silu := bk.gemvSiLU
+		if n == 1 {
+			silu = bk.gemvSiLU1 // each expert has one row
+		}
+		r.launchDep(silu, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
 			mm.src, mm.act, mm.nact, mm.offs, int32(I), int32(dim))
 		if added = bk.gemvDownAdd != nil && nk <= moeAddPairs; added {
 			r.launchDep(bk.gemvDownAdd, cu.D1(uint32(ceilDiv(dim, 4))), cu.D1(128), 0, d.x, m.h.p, mw.w2, mm.ids, mm.rows, mm.wts,

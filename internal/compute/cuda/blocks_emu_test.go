@@ -335,10 +335,11 @@ func checkRoute(t *testing.T, tc string, out []int32, logits []float32, n, e, k,
 }
 
 // TestGroupedGEMVEmulated runs moe_gemv_silu and moe_gemv_down on the host
-// over a routing with experts of 0 to 9 rows (more than one GEMV_T group)
+// over a routing with experts of 0 to 9 rows (more than one 4-row group)
 // and k lengths below, at and past one 1024-element pass, in bf16 and
 // float32, against float64 references: every output row written, each
-// within the storage type's rounding.
+// within the storage type's rounding; moe_gemv_silu1 equal to
+// moe_gemv_silu bit for bit.
 func TestGroupedGEMVEmulated(t *testing.T) {
 	for _, bf := range []bool{true, false} {
 		bin := blocksEmu(t, 64, bf)
@@ -365,16 +366,25 @@ func TestGroupedGEMVEmulated(t *testing.T) {
 				if bf {
 					X, W = bf16Round(X), bf16Round(W)
 				}
-				var in bytes.Buffer
-				put(t, &in, int32(5), int32(b2i(silu)), int32(E), int32(tc.units), int32(tc.in), int32(rows), int32(ntok), int32(len(act)),
-					actE, offs, src)
-				putT(t, &in, bf, X)
-				putT(t, &in, bf, W)
-				var got []float32
-				if silu && bf {
-					got = bf16Floats(emuCall[uint16](t, bin, &in, rows*tc.units))
-				} else {
-					got = emuCall[float32](t, bin, &in, rows*tc.units)
+				run := func(kind int) []float32 {
+					var in bytes.Buffer
+					put(t, &in, int32(5), int32(kind), int32(E), int32(tc.units), int32(tc.in), int32(rows), int32(ntok), int32(len(act)),
+						actE, offs, src)
+					putT(t, &in, bf, X)
+					putT(t, &in, bf, W)
+					if silu && bf {
+						return bf16Floats(emuCall[uint16](t, bin, &in, rows*tc.units))
+					}
+					return emuCall[float32](t, bin, &in, rows*tc.units)
+				}
+				got := run(b2i(silu))
+				if silu {
+					// moe_gemv_silu1 (one row a pass, X prefetched): the same bits
+					for i, v := range run(2) {
+						if math.Float32bits(v) != math.Float32bits(got[i]) {
+							t.Fatalf("bf16 %v %+v: moe_gemv_silu1 h[%d][%d] %v, moe_gemv_silu %v", bf, tc, i/tc.units, i%tc.units, v, got[i])
+						}
+					}
 				}
 				for e := 0; e < E; e++ {
 					for row := int(offs[e]); row < int(offs[e+1]); row++ {

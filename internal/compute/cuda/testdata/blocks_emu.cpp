@@ -12,7 +12,7 @@
 //   route:   n, stride, E, k, norm, fused, logits f32 [n][stride]; moe_topk
 //            then moe_sort, or moe_route when fused; out ids [n*k], w f32 [n*k], rows [n*k], src [n*k],
 //            offs [E+1], act [E], nact.
-//   gemv:    silu, E, units, in, rows, tokens, nact, act [E], offs [E+1],
+//   gemv:    silu (2: moe_gemv_silu1), E, units, in, rows, tokens, nact, act [E], offs [E+1],
 //            src [rows], X T [tokens (silu) or rows][in], W T
 //            [E][(2 if silu) units][in]; moe_gemv_silu or moe_gemv_down;
 //            out h T or Y f32 [rows][units].
@@ -106,7 +106,7 @@ int main(int argc, char **argv) {
 			unsigned gx = (unsigned)(units + 7) / 8;
 			if (silu) {
 				std::vector<T> h((size_t)rows * units + 1);
-				emu_launch(moe_gemv_silu, {gx, (unsigned)E, 1}, 256, h.data(), (const T *)X.data(), (const T *)W.data(),
+				emu_launch(silu == 2 ? moe_gemv_silu1 : moe_gemv_silu, {gx, (unsigned)E, 1}, 256, h.data(), (const T *)X.data(), (const T *)W.data(),
 					   (const int *)src.data(), (const int *)act.data(), (const int *)nact.data(), (const int *)offs.data(),
 					   units, n);
 				wrv(h, (size_t)rows * units);
