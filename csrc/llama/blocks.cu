@@ -262,13 +262,12 @@ extern "C" __global__ void moe_combine(float *x, const float *ye, const int *row
 // w[t*k+j], j in rank order.
 #define TOPK_PER 16
 #define MOE_NEG_INF __int_as_float(0xff800000)
-__device__ __forceinline__ void topk_token(int t, int *ids, float *w, const float *logits, int stride, int E, int k,
-	int norm) {
+// softmax_stats: a warp's lanes load logits l[lane + 32*i] (i <
+// TOPK_PER; -inf past E) into v and return the max and the softmax's sum
+// of exp(l-max) in double (each lane's terms in order, then a fixed tree).
+__device__ __forceinline__ void softmax_stats(const float *l, int E, float *v, float &mx, double &s) {
 	int lane = threadIdx.x & 31;
-	const float *l = logits + (long long)t * stride;
-	float v[TOPK_PER];
-	double ex[TOPK_PER];
-	float mx = MOE_NEG_INF;
+	mx = MOE_NEG_INF;
 #pragma unroll
 	for (int i = 0; i < TOPK_PER; i++) {
 		int e = lane + 32 * i;
@@ -276,13 +275,17 @@ __device__ __forceinline__ void topk_token(int t, int *ids, float *w, const floa
 		mx = fmaxf(mx, v[i]);
 	}
 	for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-	double s = 0.0;
+	s = 0.0;
 #pragma unroll
-	for (int i = 0; i < TOPK_PER; i++) {
-		ex[i] = lane + 32 * i < E ? exp((double)(v[i] - mx)) : 0.0;
-		s += ex[i];
-	}
+	for (int i = 0; i < TOPK_PER; i++) s += lane + 32 * i < E ? exp((double)(v[i] - mx)) : 0.0;
 	for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+}
+__device__ __forceinline__ void topk_token(int t, int *ids, float *w, const float *logits, int stride, int E, int k,
+	int norm) {
+	int lane = threadIdx.x & 31;
+	float v[TOPK_PER], mx;
+	double s;
+	softmax_stats(logits + (long long)t * stride, E, v, mx, s);
 	unsigned taken = 0;
 	float sum = 0.f;
 	for (int j = 0; j < k; j++) {
@@ -305,8 +308,6 @@ __device__ __forceinline__ void topk_token(int t, int *ids, float *w, const floa
 			}
 		}
 		if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
-		// the winner's ex[], computed again (the same bits) rather than
-		// carried through the shuffles
 		float p = (float)(exp((double)(bv - mx)) / s);
 		sum += p;
 		if (lane == 0) {
@@ -406,13 +407,72 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *
 	sort_pairs(rows, src, offs, act, nact, ids, nk, k, E);
 }
 
+// route_one: moe_route's results for a pass of one token by the whole
+// block, bit for bit: thread e ranks expert e among the E logits (greater
+// first, the lower id on ties, NaN as -inf: topk_token's order, and always
+// a permutation), the k first take topk_token's probabilities and write
+// ids and w in rank order, and each chosen expert's one row is its place
+// among the chosen by id (moe_sort's order).
+__device__ __forceinline__ void route_one(int *rows, int *src, int *offs, int *act, int *nact, int *ids, float *w,
+	const float *logits, int E, int k, int norm) {
+	__shared__ float sv[MOE_MAXE], sp[32];
+	__shared__ int wcnt[MOE_SORT_WARPS];
+	__shared__ float smx;
+	__shared__ double ssum;
+	int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+	float v = tid < E ? logits[tid] : MOE_NEG_INF;
+	if (v != v) v = MOE_NEG_INF;
+	if (tid < E) sv[tid] = v;
+	if (warp == 0) {
+		float lv[TOPK_PER], mx;
+		double s;
+		softmax_stats(logits, E, lv, mx, s);
+		if (lane == 0) smx = mx, ssum = s;
+	}
+	__syncthreads();
+	int rank = 0;
+	if (tid < E)
+		for (int x = 0; x < E; x++) {
+			float u = sv[x];
+			rank += u > v || (u == v && x < tid);
+		}
+	bool chosen = tid < E && rank < k;
+	unsigned b = __ballot_sync(0xffffffffu, chosen);
+	if (lane == 0) wcnt[warp] = __popc(b);
+	__syncthreads();
+	int before = __popc(b & ((1u << lane) - 1u));
+	for (int i = 0; i < warp; i++) before += wcnt[i];
+	if (tid < E) offs[tid] = before;
+	if (chosen) {
+		float p = (float)(exp((double)(logits[tid] - smx)) / ssum);
+		ids[rank] = tid;
+		sp[rank] = p;
+		rows[rank] = before;
+		src[before] = 0;
+		act[before] = tid;
+	}
+	__syncthreads();
+	if (tid == 0) {
+		offs[E] = k;
+		*nact = k;
+		float sum = 0.f;
+		for (int j = 0; j < k; j++) sum += sp[j];
+		for (int j = 0; j < k; j++) w[j] = norm ? sp[j] / sum : sp[j];
+	}
+}
+
 // moe_route: moe_topk then moe_sort in one block of MOE_SORT_WARPS warps
-// (warp w routes tokens w, w+MOE_SORT_WARPS, ...): one launch for the few
-// tokens of a decode step. Same arguments and results as the two.
+// (warp w routes tokens w, w+MOE_SORT_WARPS, ...; route_one for one
+// token): one launch for the few tokens of a decode step. Same arguments
+// and results as the two.
 extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int *rows, int *src, int *offs, int *act,
 	int *nact, int *ids, float *w, const float *logits, int n, int stride, int E, int k, int norm) {
 	blk_pdl_trigger();
 	blk_pdl_wait();
+	if (n == 1) {
+		route_one(rows, src, offs, act, nact, ids, w, logits, E, k, norm);
+		return;
+	}
 	for (int t = threadIdx.x >> 5; t < n; t += MOE_SORT_WARPS) topk_token(t, ids, w, logits, stride, E, k, norm);
 	__syncthreads();
 	sort_pairs(rows, src, offs, act, nact, ids, n * k, k, E);

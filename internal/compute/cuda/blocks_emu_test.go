@@ -212,8 +212,8 @@ func TestBlockKernelsEmulated(t *testing.T) {
 	}
 }
 
-// TestRouteEmulated runs moe_topk and moe_sort on the host against their
-// definition: each token's k highest logits of the first e (ties to the
+// TestRouteEmulated runs moe_topk and moe_sort, and moe_route (its
+// one-token form at n 1), on the host against their definition: each token's k highest logits of the first e (ties to the
 // lower id), the softmax probabilities over all e (renormalised or not),
 // the pairs sorted by expert in pair order within an expert, each expert's
 // offsets and the list of experts with rows.
@@ -224,13 +224,15 @@ func TestRouteEmulated(t *testing.T) {
 		n, e, k, stride int
 		norm            bool
 	}{{1, 8, 2, 8, true}, {7, 16, 4, 17, true}, {33, 8, 2, 9, false}, {5, 128, 8, 128, true}, {4, 4, 4, 4, false},
-		{300, 128, 8, 129, true}, {3, 512, 8, 512, false}, {64, 60, 4, 61, true}} {
+		{300, 128, 8, 129, true}, {3, 512, 8, 512, false}, {64, 60, 4, 61, true},
+		{1, 128, 8, 129, true}, {1, 512, 8, 512, false}, {1, 60, 4, 60, true}, {1, 4, 4, 4, true}} {
 		logits := randF32(r, tc.n*tc.stride, 1)
-		if tc.n > 4 {
+		if tc.n > 4 || tc.n == 1 && tc.e > 4 {
 			// ties at the top: across lanes (1, 2) and within one (1, 33)
-			logits[tc.stride+1], logits[tc.stride+2] = 5, 5
+			t0 := min(tc.n-1, 1) * tc.stride
+			logits[t0+1], logits[t0+2] = 5, 5
 			if tc.e > 33 {
-				logits[tc.stride+33] = 5
+				logits[t0+33] = 5
 			}
 		}
 		nk := tc.n * tc.k
@@ -238,6 +240,7 @@ func TestRouteEmulated(t *testing.T) {
 		if tc.norm {
 			norm = 1
 		}
+		var sep []int32
 		for fused := range int32(2) {
 			name := fmt.Sprintf("%+v moe_topk+moe_sort", tc)
 			if fused == 1 {
@@ -245,7 +248,19 @@ func TestRouteEmulated(t *testing.T) {
 			}
 			var in bytes.Buffer
 			put(t, &in, int32(4), int32(tc.n), int32(tc.stride), int32(tc.e), int32(tc.k), norm, fused, logits)
-			checkRoute(t, name, emuCall[int32](t, bin, &in, 4*nk+2*tc.e+2), logits, tc.n, tc.e, tc.k, tc.stride, tc.norm)
+			out := emuCall[int32](t, bin, &in, 4*nk+2*tc.e+2)
+			checkRoute(t, name, out, logits, tc.n, tc.e, tc.k, tc.stride, tc.norm)
+			if fused == 0 {
+				sep = out
+				continue
+			}
+			// the same bits (act past nact is not written)
+			nact := int(out[4*nk+2*tc.e+1])
+			for i := range 4*nk + tc.e + 1 + nact {
+				if out[i] != sep[i] {
+					t.Fatalf("%s: output word %d %#x, moe_topk+moe_sort's %#x", name, i, out[i], sep[i])
+				}
+			}
 		}
 	}
 }
