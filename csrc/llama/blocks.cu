@@ -579,11 +579,15 @@ extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu(T *h, const T *X
 }
 // moe_gemv_silu1: moe_gemv_silu (the same bits) for passes whose experts
 // have one row each (a pass of one token), X prefetched with the weights
-// (S1_OFF: moe_gemv_silu's form, for comparisons).
+// (S1_OFF: moe_gemv_silu's form, for comparisons; S1_MINB: blocks an SM
+// the registers must allow).
 #ifndef S1_CH
 #define S1_CH 4
 #endif
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu1(T *h, const T *X, const T *W, const int *src,
+#ifndef S1_MINB
+#define S1_MINB 1
+#endif
+extern "C" __global__ void __launch_bounds__(256, S1_MINB) moe_gemv_silu1(T *h, const T *X, const T *W, const int *src,
 	const int *act, const int *nact, const int *offs, int hidden, int in) {
 #if S1_OFF
 	moe_gemv<true, 4, 4, false>(0, h, X, W, src, act, nact, offs, hidden, in);
