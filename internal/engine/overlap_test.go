@@ -253,8 +253,23 @@ func TestOverlapAbortAndClose(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop := feed(gate)
-	short := te.generate(t, &Request{InputIDs: ids("beside it"), Params: SamplingParams{MaxNewTokens: 20, IgnoreEOS: true}})
+	// Both queued before any pass runs, and at most 100 passes fed: the long
+	// request cannot reach its 400 tokens however the goroutines are scheduled.
+	shortCh, err := te.Submit(context.Background(), &Request{InputIDs: ids("beside it"), Params: SamplingParams{MaxNewTokens: 20, IgnoreEOS: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	go func() {
+		for range 100 {
+			select {
+			case gate <- struct{}{}:
+			case <-stop:
+				return
+			}
+		}
+	}()
+	short := collect(t, shortCh)
 	close(stop)
 	if short.finish.Type != "length" || len(short.tokens) != 20 {
 		t.Fatalf("short request: %d tokens, finish %+v", len(short.tokens), short.finish)
