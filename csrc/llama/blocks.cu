@@ -412,9 +412,11 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_sort(int *
 // first, the lower id on ties, NaN as -inf: topk_token's order, and always
 // a permutation), the k first take topk_token's probabilities and write
 // ids and w in rank order, and each chosen expert's one row is its place
-// among the chosen by id (moe_sort's order).
+// among the chosen by id (moe_sort's order). Only with write are the
+// results written (block-uniform); picked (shared, or 0) receives the
+// chosen expert whose place is slot, valid after the call for every thread.
 __device__ __forceinline__ void route_one(int *rows, int *src, int *offs, int *act, int *nact, int *ids, float *w,
-	const float *logits, int E, int k, int norm) {
+	const float *logits, int E, int k, int norm, bool write = true, int slot = -1, int *picked = 0) {
 	__shared__ float sv[MOE_MAXE], sp[32];
 	__shared__ int wcnt[MOE_SORT_WARPS];
 	__shared__ float smx;
@@ -423,7 +425,7 @@ __device__ __forceinline__ void route_one(int *rows, int *src, int *offs, int *a
 	float v = tid < E ? logits[tid] : MOE_NEG_INF;
 	if (v != v) v = MOE_NEG_INF;
 	if (tid < E) sv[tid] = v;
-	if (warp == 0) {
+	if (write && warp == 0) {
 		float lv[TOPK_PER], mx;
 		double s;
 		softmax_stats(logits, E, lv, mx, s);
@@ -442,8 +444,9 @@ __device__ __forceinline__ void route_one(int *rows, int *src, int *offs, int *a
 	__syncthreads();
 	int before = __popc(b & ((1u << lane) - 1u));
 	for (int i = 0; i < warp; i++) before += wcnt[i];
-	if (tid < E) offs[tid] = before;
-	if (chosen) {
+	if (chosen && before == slot) *picked = tid;
+	if (write && tid < E) offs[tid] = before;
+	if (write && chosen) {
 		float p = (float)(exp((double)(logits[tid] - smx)) / ssum);
 		ids[rank] = tid;
 		sp[rank] = p;
@@ -452,7 +455,7 @@ __device__ __forceinline__ void route_one(int *rows, int *src, int *offs, int *a
 		act[before] = tid;
 	}
 	__syncthreads();
-	if (tid == 0) {
+	if (write && tid == 0) {
 		offs[E] = k;
 		*nact = k;
 		float sum = 0.f;
@@ -489,16 +492,13 @@ extern "C" __global__ void __launch_bounds__(MOE_SORT_WARPS * 32) moe_route(int 
 //   SILU  unit o < hidden: rows o and hidden+o of W ([E][2*hidden][in]);
 //         h[r][o] = silu(g) * u (g, u rounded to T first), x = X[src[r]]
 //   DOWN  unit o < out: row o of W ([E][out][in]); Y[r][o] (f32) = X[r] . W[o]
+// moe_gemv_rows is the body: expert e's rows r0 .. r0+rows, x of row r
+// X[tok] when tok >= 0, else X[src[r]] (X[r] without src).
 template <bool SILU, int GT, int CH, bool PRE>
-__device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
-	const int *nact, const int *offs, int units, int in) {
-	blk_pdl_trigger();
-	blk_pdl_wait();
-	int s = blockIdx.y;
-	if (s >= *nact) return;
+__device__ __forceinline__ void moe_gemv_rows(float *Y, T *h, const T *X, const T *W, const int *src, int tok, int e,
+	int r0, int rows, int units, int in) {
 	int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
 	if (o >= units) return;
-	int e = act[s], r0 = offs[e], rows = offs[e + 1] - r0;
 	const int nrow = SILU ? 2 : 1;
 	const T *w0 = W + ((long long)e * nrow * units + o) * in;
 	const T *w1 = w0 + (long long)units * in;
@@ -508,7 +508,7 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 #pragma unroll
 		for (int j = 0; j < GT; j++) {
 			int r = r0 + t0 + min(j, nt - 1);
-			xr[j] = X + (long long)(src ? src[r] : r) * in;
+			xr[j] = X + (long long)(tok >= 0 ? tok : src ? src[r] : r) * in;
 		}
 		float acc[2][GT];
 #pragma unroll
@@ -572,6 +572,16 @@ __device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W,
 		}
 	}
 }
+template <bool SILU, int GT, int CH, bool PRE>
+__device__ __forceinline__ void moe_gemv(float *Y, T *h, const T *X, const T *W, const int *src, const int *act,
+	const int *nact, const int *offs, int units, int in) {
+	blk_pdl_trigger();
+	blk_pdl_wait();
+	int s = blockIdx.y;
+	if (s >= *nact) return;
+	int e = act[s], r0 = offs[e];
+	moe_gemv_rows<SILU, GT, CH, PRE>(Y, h, X, W, src, -1, e, r0, offs[e + 1] - r0, units, in);
+}
 // moe_gemv_silu: grid (ceil(hidden/8), slots), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_silu(T *h, const T *X, const T *W, const int *src,
 	const int *act, const int *nact, const int *offs, int hidden, int in) {
@@ -594,6 +604,21 @@ extern "C" __global__ void __launch_bounds__(256, S1_MINB) moe_gemv_silu1(T *h, 
 #else
 	moe_gemv<true, 1, S1_CH, true>(0, h, X, W, src, act, nact, offs, hidden, in);
 #endif
+}
+// moe_route_silu1: moe_route and moe_gemv_silu1 in one launch for a pass of
+// one token (E <= 256): every block ranks the logits as route_one does and
+// takes the chosen expert whose place is blockIdx.y (its row); block (0, 0)
+// writes the routing for the kernels after. The same bits as the two.
+// Grid (ceil(hidden/8), k), 256 threads.
+extern "C" __global__ void __launch_bounds__(256, S1_MINB) moe_route_silu1(T *h, const T *X, const T *W, int *rows,
+	int *src, int *offs, int *act, int *nact, int *ids, float *w, const float *logits, int E, int k, int norm,
+	int hidden, int in) {
+	__shared__ int picked;
+	blk_pdl_trigger();
+	blk_pdl_wait();
+	int s = blockIdx.y;
+	route_one(rows, src, offs, act, nact, ids, w, logits, E, k, norm, blockIdx.x == 0 && s == 0, s, &picked);
+	moe_gemv_rows<true, 1, S1_CH, true>(0, h, X, W, 0, 0, picked, s, 1, hidden, in);
 }
 // moe_gemv_down: grid (ceil(out/8), slots), 256 threads.
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_down(float *Y, const T *X, const T *W, const int *act,

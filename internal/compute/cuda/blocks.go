@@ -46,6 +46,7 @@ type blockKernels struct {
 	mod                                             *cu.Module
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
 	moeRoute, gemvSiLU, gemvSiLU1, gemvDown         *cu.Function
+	routeSiLU1                                      *cu.Function // nil with tuning noRouteSiLU: moe_route, moe_gemv_silu1
 	qkNormRope                                      *cu.Function // nil with tuning noQKRope: qk_norm, rope_kv
 	gemvDownAdd                                     *cu.Function // nil with tuning noMoEAdd: moe_gemv_down, moe_combine
 	moeSiLU, moeDown                                *cu.Function // moe_sk_*: bf16 only
@@ -81,7 +82,8 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 		name string
 	}{{&bk.qkNorm, "qk_norm"}, {&bk.moeGather, "moe_gather"}, {&bk.moeCombine, "moe_combine"}, {&bk.moeTopK, "moe_topk"},
 		{&bk.moeSort, "moe_sort"}, {&bk.moeRoute, "moe_route"}, {&bk.gemvSiLU, "moe_gemv_silu"}, {&bk.gemvSiLU1, "moe_gemv_silu1"},
-		{&bk.gemvDown, "moe_gemv_down"}, {&bk.qkNormRope, "qk_norm_rope"}, {&bk.gemvDownAdd, "moe_gemv_down_add"}} {
+		{&bk.gemvDown, "moe_gemv_down"}, {&bk.qkNormRope, "qk_norm_rope"}, {&bk.gemvDownAdd, "moe_gemv_down_add"},
+		{&bk.routeSiLU1, "moe_route_silu1"}} {
 		if *f.dst, err = bk.mod.Function(f.name); err != nil {
 			return fmt.Errorf("cuda backend: block kernels: %w", err)
 		}
@@ -91,6 +93,9 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 	}
 	if b.opts.tune.noMoEAdd {
 		bk.gemvDownAdd = nil
+	}
+	if b.opts.tune.noRouteSiLU || b.cfg.Experts > routeSiLUMaxE {
+		bk.routeSiLU1 = nil
 	}
 	return nil
 }
@@ -110,6 +115,9 @@ const (
 	// grouped GEMVs that run moe_gemv_down_add (a weight row read once a
 	// pair) instead of moe_gemv_down and moe_combine.
 	moeAddPairs = 16
+	// routeSiLUMaxE is the most experts moe_route_silu1 ranks (a thread
+	// each of its 256).
+	routeSiLUMaxE = 256
 )
 
 // loadGrouped enables the grouped expert kernels when the expert shapes
@@ -502,28 +510,38 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 		norm = 1
 	}
 	mm, _ := moeLayout(m.meta.p, nk, E)
-	if n <= moeRouteMax {
+	bk := &b.bk
+	gemv := lp.grouped && (bk.moeDown == nil || n <= moeGemvMax && !b.opts.BatchInvariant)
+	// One token's routing runs inside its gate/up GEMV (moe_route_silu1).
+	routed := gemv && n == 1 && bk.routeSiLU1 != nil
+	switch {
+	case routed:
+	case n <= moeRouteMax:
 		r.launchDep(b.bk.moeRoute, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids, mm.wts,
 			m.logits.p, int32(n), int32(stride), int32(E), int32(K), norm)
-	} else {
+	default:
 		r.launch(b.bk.moeTopK, cu.D1(uint32(ceilDiv(n, 8))), cu.D1(256), 0, mm.ids, mm.wts, m.logits.p, int32(n), int32(stride),
 			int32(E), int32(K), norm)
 		r.launch(b.bk.moeSort, cu.D1(1), cu.D1(moeSortThreads), 0, mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids,
 			int32(nk), int32(K), int32(E))
 	}
-	bk := &b.bk
 	if b.sh.resid() == 0 && r.err == nil {
 		r.err = r.s.MemsetD8(d.x, 0, uint64(n*dim)*4) // the experts' sum adds: it starts at 0
 	}
 	added := false // the experts' weighted sum is in x
 	switch {
-	case lp.grouped && (bk.moeDown == nil || n <= moeGemvMax && !b.opts.BatchInvariant):
+	case gemv:
 		silu := bk.gemvSiLU
 		if n == 1 {
 			silu = bk.gemvSiLU1 // each expert has one row
 		}
-		r.launchDep(silu, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
-			mm.src, mm.act, mm.nact, mm.offs, int32(I), int32(dim))
+		if routed {
+			r.launchDep(bk.routeSiLU1, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(K), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
+				mm.rows, mm.src, mm.offs, mm.act, mm.nact, mm.ids, mm.wts, m.logits.p, int32(E), int32(K), norm, int32(I), int32(dim))
+		} else {
+			r.launchDep(silu, cu.Dim3{X: uint32(ceilDiv(I, 8)), Y: uint32(min(E, nk)), Z: 1}, cu.D1(256), 0, m.h.p, d.xb, mw.w13,
+				mm.src, mm.act, mm.nact, mm.offs, int32(I), int32(dim))
+		}
 		if added = bk.gemvDownAdd != nil && nk <= moeAddPairs; added {
 			r.launchDep(bk.gemvDownAdd, cu.D1(uint32(ceilDiv(dim, 4))), cu.D1(128), 0, d.x, m.h.p, mw.w2, mm.ids, mm.rows, mm.wts,
 				sh, gate, int32(stride), int32(nk), int32(K), int32(dim), int32(I))

@@ -701,3 +701,91 @@ func TestQKNormRopeEmulated(t *testing.T) {
 		})
 	}
 }
+
+// TestRouteSiLUEmulated runs moe_route_silu1 on the host against moe_route
+// followed by moe_gemv_silu1 (both emulated) for one token: h and every
+// routing word the kernels after it read equal bit for bit, in bf16 and
+// float32, with ties at the top of the logits, k of E from 2 of 8 to 8 of
+// 128 and grids of one and several blocks along the units; and, so that
+// equal wrong answers cannot pass, the routing against its definition
+// (checkRoute) and h against a float64 reference.
+func TestRouteSiLUEmulated(t *testing.T) {
+	for _, bf := range []bool{true, false} {
+		bin := blocksEmu(t, 64, bf)
+		r := rand.New(rand.NewPCG(9, 10))
+		for _, tc := range []struct {
+			e, k, units, in int
+			norm            bool
+		}{{8, 2, 13, 40, true}, {128, 8, 24, 1032, true}, {60, 4, 8, 264, false}, {256, 8, 16, 80, true}} {
+			logits := randF32(r, tc.e, 1)
+			logits[1], logits[2] = 5, 5 // a tie at the top, across lanes
+			if tc.e > 33 {
+				logits[33] = 5 // and within one
+			}
+			X := randF32(r, tc.in, 1)
+			W := randF32(r, tc.e*2*tc.units*tc.in, 0.2)
+			if bf {
+				X, W = bf16Round(X), bf16Round(W)
+			}
+			var in bytes.Buffer
+			put(t, &in, int32(8), int32(tc.e), int32(tc.k), int32(b2i(tc.norm)), int32(tc.units), int32(tc.in), logits)
+			putT(t, &in, bf, X)
+			putT(t, &in, bf, W)
+			esz := 4
+			if bf {
+				esz = 2
+			}
+			hb, words := tc.k*tc.units*esz, 4*tc.k+2*tc.e+2
+			out := emuCall[byte](t, bin, &in, 2*(hb+4*words))
+			run := func(i int) (h []float32, route []int32) {
+				b := out[i*(hb+4*words):]
+				for j := range tc.k * tc.units {
+					if bf {
+						h = append(h, math.Float32frombits(uint32(binary.LittleEndian.Uint16(b[2*j:]))<<16))
+					} else {
+						h = append(h, math.Float32frombits(binary.LittleEndian.Uint32(b[4*j:])))
+					}
+				}
+				for j := range words {
+					route = append(route, int32(binary.LittleEndian.Uint32(b[hb+4*j:])))
+				}
+				return h, route
+			}
+			name := fmt.Sprintf("bf16 %v %+v", bf, tc)
+			h0, r0 := run(0)
+			h1, r1 := run(1)
+			checkRoute(t, name+" moe_route_silu1", r1, logits, 1, tc.e, tc.k, tc.e, tc.norm)
+			// act past nact is not written by either
+			for i := range 4*tc.k + tc.e + 1 + tc.k {
+				if r1[i] != r0[i] {
+					t.Fatalf("%s: routing word %d %#x, moe_route's %#x", name, i, r1[i], r0[i])
+				}
+			}
+			if r1[len(r1)-1] != r0[len(r0)-1] {
+				t.Fatalf("%s: nact %d, moe_route's %d", name, r1[len(r1)-1], r0[len(r0)-1])
+			}
+			act := r1[4*tc.k+tc.e+1:]
+			for row := range tc.k {
+				e := int(act[row]) // one row an expert, in id order
+				for o := range tc.units {
+					i := row*tc.units + o
+					if math.Float32bits(h1[i]) != math.Float32bits(h0[i]) {
+						t.Fatalf("%s: h[%d][%d] %v, moe_route + moe_gemv_silu1's %v", name, row, o, h1[i], h0[i])
+					}
+					dot := func(wr int) float64 {
+						var s float64
+						for j := range tc.in {
+							s += float64(W[(e*2*tc.units+wr)*tc.in+j]) * float64(X[j])
+						}
+						return s
+					}
+					g, u := dot(o), dot(tc.units+o)
+					want := g / (1 + math.Exp(-g)) * u
+					if d := math.Abs(float64(h1[i]) - want); d > 0.02*math.Abs(want)+1e-3 {
+						t.Fatalf("%s: h[%d][%d] (expert %d) %v, want %v", name, row, o, e, h1[i], want)
+					}
+				}
+			}
+		}
+	}
+}

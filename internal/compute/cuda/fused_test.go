@@ -151,9 +151,10 @@ func TestResidentBlocks(t *testing.T) {
 // TestFusedMoE checks the fused decode layer of the MoE models (bfloat16:
 // gemv2_norm for the QKV projection and for the router, whose block 0 also
 // writes the experts' normalised x; tiny-qwen3-moe's qk_norm_rope;
-// moe_gemv_down_add for passes of at most moeAddPairs pairs; tiny-qwen2-moe
-// with its gated shared expert, tiny-mixtral with top 2) against the
-// separate kernels (rmsnorm, gemv_*, qk_norm, rope_kv, moe_gemv_down,
+// moe_gemv_down_add for passes of at most moeAddPairs pairs; one token's
+// routing inside moe_route_silu1; tiny-qwen2-moe with its gated shared
+// expert, tiny-mixtral with top 2) against the separate kernels (rmsnorm,
+// gemv_*, qk_norm, rope_kv, moe_route, moe_gemv_silu1, moe_gemv_down,
 // moe_combine): logits bit for bit over prefill and decode at batch sizes 1
 // to 4 and 6 (past the fused layer: qk_norm_rope against qk_norm + rope_kv
 // alone).
@@ -168,14 +169,14 @@ func TestFusedMoE(t *testing.T) {
 			groups := []int{1, 2, 3, 4, 6}
 			const per, steps = 12, 6
 			mk := bf16Maker(t, m, groups, per)
-			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true, noMoEAdd: true})
+			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true, noMoEAdd: true, noRouteSiLU: true})
 			fused := mk(tuning{decodeV1: true})
-			if fused.fn.g2Norm == nil || fused.bk.gemvDownAdd == nil || !fused.moeCapturable() ||
+			if fused.fn.g2Norm == nil || fused.bk.gemvDownAdd == nil || fused.bk.routeSiLU1 == nil || !fused.moeCapturable() ||
 				m.Config.Spec.Attention.QKNorm && fused.bk.qkNormRope == nil {
-				t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, moe_gemv_down_add %v, grouped experts %v",
-					fused.fn.v2Err, fused.bk.qkNormRope != nil, fused.bk.gemvDownAdd != nil, fused.moeCapturable())
+				t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, moe_gemv_down_add %v, moe_route_silu1 %v, grouped experts %v",
+					fused.fn.v2Err, fused.bk.qkNormRope != nil, fused.bk.gemvDownAdd != nil, fused.bk.routeSiLU1 != nil, fused.moeCapturable())
 			}
-			if old.fn.g2QKV != nil || old.bk.qkNormRope != nil || old.bk.gemvDownAdd != nil {
+			if old.fn.g2QKV != nil || old.bk.qkNormRope != nil || old.bk.gemvDownAdd != nil || old.bk.routeSiLU1 != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
 			}
 			r := newRand(29)

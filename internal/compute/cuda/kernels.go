@@ -66,6 +66,9 @@ type tuning struct {
 	// noMoEAdd: the grouped expert GEMVs end in moe_gemv_down and
 	// moe_combine instead of moe_gemv_down_add.
 	noMoEAdd bool
+	// noRouteSiLU: a one-token MoE pass routes in moe_route and then runs
+	// moe_gemv_silu1 instead of moe_route_silu1.
+	noRouteSiLU bool
 	// blocksDefs: extra NVRTC macros for the blocks kernel set (space
 	// separated, "-DDA_P=4 -DDA_PRE=1"), for kernel experiments.
 	blocksDefs string

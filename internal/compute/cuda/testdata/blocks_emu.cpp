@@ -21,6 +21,11 @@
 //            [E][out][in], w f32 [n*k], x f32 [n][out], sh f32 [n][out],
 //            gate f32 [n][gstride]; out x after moe_gemv_down_add, then x
 //            after moe_gemv_down and moe_combine.
+//   route_silu: E, k, norm, units, in, logits f32 [E], X T [in], W T
+//            [E][2*units][in]; moe_route (one token) then moe_gemv_silu1,
+//            then moe_route_silu1 over buffers filled with -1 bytes; out per
+//            run h T [k][units], ids [k], w f32 [k], rows [k], src [k],
+//            offs [E+1], act [E], nact.
 //   qk_norm_rope: n, heads, kv heads, has bias, interleaved, ntab, cache
 //            elements, eps (f32), qkv f32 [n][W], bias f32 [W], qw, kw f32
 //            [HEAD_DIM], pos [n], slot int64 [n], tab f32 [ntab][HEAD_DIM/2][2],
@@ -172,6 +177,40 @@ int main(int argc, char **argv) {
 				   (const float *)w.data(), shp, gp, gs, k, out);
 			wrv(x, (size_t)nt * out);
 			wrv(x2, (size_t)nt * out);
+		} else if (op == 8) {
+			int E = rd(), k = rd(), norm = rd(), units = rd(), n = rd();
+			std::vector<float> logits;
+			std::vector<T> X, W;
+			rdv(logits, E);
+			rdv(X, n);
+			rdv(W, (size_t)E * 2 * units * n);
+			for (int fused = 0; fused < 2; fused++) {
+				std::vector<T> h((size_t)k * units + 1);
+				std::vector<float> w(k + 1);
+				std::vector<int> ids(k + 1), rows(k + 1), src(k + 1), offs(E + 2), act(E + 1), nact(1);
+				memset(w.data(), 0xff, w.size() * 4);
+				for (auto *v : {&ids, &rows, &src, &offs, &act, &nact}) memset(v->data(), 0xff, v->size() * 4);
+				unsigned gx = (unsigned)(units + 7) / 8;
+				if (fused)
+					emu_launch(moe_route_silu1, {gx, (unsigned)k, 1}, 256, h.data(), (const T *)X.data(), (const T *)W.data(),
+						   rows.data(), src.data(), offs.data(), act.data(), nact.data(), ids.data(), w.data(),
+						   (const float *)logits.data(), E, k, norm, units, n);
+				else {
+					emu_launch(moe_route, {1, 1, 1}, MOE_SORT_WARPS * 32, rows.data(), src.data(), offs.data(), act.data(),
+						   nact.data(), ids.data(), w.data(), (const float *)logits.data(), 1, E, E, k, norm);
+					emu_launch(moe_gemv_silu1, {gx, (unsigned)k, 1}, 256, h.data(), (const T *)X.data(), (const T *)W.data(),
+						   (const int *)src.data(), (const int *)act.data(), (const int *)nact.data(),
+						   (const int *)offs.data(), units, n);
+				}
+				wrv(h, (size_t)k * units);
+				wrv(ids, k);
+				wrv(w, k);
+				wrv(rows, k);
+				wrv(src, k);
+				wrv(offs, E + 1);
+				wrv(act, E);
+				wrv(nact, 1);
+			}
 		} else {
 			return 3;
 		}
