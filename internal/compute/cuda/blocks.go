@@ -472,7 +472,8 @@ func (b *Backend) moeGroupedFor(n int) bool {
 // moeMLP enqueues a mixture-of-experts block: RMSNorm, the router GEMM
 // (and the shared expert), the routing on the device (moe_topk: each
 // token's top k of the softmax; moe_sort: the pairs sorted by expert; one
-// moe_route launch for both at decode sizes),
+// moe_route launch for both at decode sizes, none for one token, whose
+// gate/up GEMV routes it: moe_route_silu1),
 // then the chosen experts' GEMMs over their rows (the other experts'
 // weights are not read) and the weighted sum added to the residual
 // stream (by moe_gemv_down_add itself for a few pairs, else
