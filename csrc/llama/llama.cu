@@ -846,6 +846,7 @@ struct g2_args {
 	bf16_t *xo;           // NORM: block 0 also writes the normalised rows here, or 0
 	int n, out, in, vt, ntab, nheads, nkv, interleaved;
 	int stage; // !NORM: X is first copied to shared memory ([n][in], n*in*2 bytes dynamic)
+	int ks;    // warps a unit (1, 2, 4 or 8; (in/8) % ks == 0), each over its ks-th of the chunks
 	float beta, eps;
 };
 
@@ -984,15 +985,51 @@ __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c
 }
 
 
-// gemv2 over units of work (row pairs, or MODE's units).
+// g2_dot sums a unit's two rows over chunks c0 .. c1-1 (lane, lane+32, ...
+// in order, 4 a row in flight), then the warp's lanes by a butterfly: every
+// lane gets every sum.
+template <bool NORM>
+__device__ __forceinline__ void g2_dot(const g2_args &a, const bf16_t *xs, const bf16_t *w0, const bf16_t *w1, int c0,
+	int c1, float *acc0, float *acc1) {
+	int lane = threadIdx.x & 31;
+#pragma unroll
+	for (int t = 0; t < GEMV_MAXN; t++) acc0[t] = acc1[t] = 0.f;
+	int c = c0 + lane;
+	for (; c + 96 < c1; c += 128) {
+		uint4 wa[4], wb[4];
+#pragma unroll
+		for (int u4 = 0; u4 < 4; u4++) {
+			wa[u4] = ldg_stream(w0 + (c + 32 * u4) * 8);
+			wb[u4] = ldg_stream(w1 + (c + 32 * u4) * 8);
+		}
+#pragma unroll
+		for (int u4 = 0; u4 < 4; u4++) g2_fma<NORM>(a, xs, c + 32 * u4, wa[u4], wb[u4], acc0, acc1);
+	}
+	for (; c < c1; c += 32) g2_fma<NORM>(a, xs, c, ldg_stream(w0 + c * 8), ldg_stream(w1 + c * 8), acc0, acc1);
+#pragma unroll
+	for (int t = 0; t < GEMV_MAXN; t++) {
+		for (int o = 16; o > 0; o >>= 1) {
+			acc0[t] += __shfl_xor_sync(0xffffffffu, acc0[t], o);
+			acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], o);
+		}
+	}
+}
+
+// gemv2 over units of work (row pairs, or MODE's units). With a.ks > 1
+// the ks warps of a group share each unit, warp q of the group over chunks
+// [q*nc/ks, (q+1)*nc/ks); their sums meet in shared memory and the group's
+// first warp adds them in q order and finishes the unit: a unit's result
+// depends on ks (fixed by the shape), not on the pass.
 template <int MODE, bool NORM>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	extern __shared__ __align__(16) unsigned char g2_smem[];
 	__shared__ float red[32];
+	__shared__ float kpart[G2_THREADS / 32][GEMV_MAXN][2];
 	bf16_t *xs = (bf16_t *)g2_smem;
-	int lane = threadIdx.x & 31;
-	int gw = blockIdx.x * (G2_THREADS / 32) + (threadIdx.x >> 5), nw = gridDim.x * (G2_THREADS / 32);
-	int nc = a.in >> 3;
+	const int ks = a.ks, per = (G2_THREADS / 32) / ks; // units a block takes at once
+	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = warp % ks;
+	int nc = a.in >> 3, cq = nc / ks, c0 = q * cq;
+	int gw = blockIdx.x * per + warp / ks, nw = gridDim.x * per;
 	pdl_trigger();
 	// Start the first unit's weights towards L2 while the kernel ahead
 	// finishes (launched programmatically) and the block normalises x.
@@ -1002,8 +1039,8 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
 #pragma unroll
 		for (int u4 = 0; u4 < 4; u4++) {
-			int c = lane + 32 * u4;
-			if (c < nc) {
+			int c = c0 + lane + 32 * u4;
+			if (c < c0 + cq) {
 				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
 				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
 			}
@@ -1017,55 +1054,61 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 		for (int i = threadIdx.x; i < a.n * nc; i += G2_THREADS) ((uint4 *)xs)[i] = ((const uint4 *)a.X)[i];
 		__syncthreads();
 	}
-	for (int u = gw; u < units; u += nw) {
-		int r0, r1;
-		g2_rows<MODE>(a, u, r0, r1);
-		const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
-		float acc0[GEMV_MAXN], acc1[GEMV_MAXN];
+	float acc0[GEMV_MAXN], acc1[GEMV_MAXN];
+	if (ks == 1) {
+		for (int u = gw; u < units; u += nw) {
+			int r0, r1;
+			g2_rows<MODE>(a, u, r0, r1);
+			const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+			g2_dot<NORM>(a, xs, w0, w1, 0, nc, acc0, acc1);
+			// lane t finishes token t
 #pragma unroll
-		for (int t = 0; t < GEMV_MAXN; t++) acc0[t] = acc1[t] = 0.f;
-		int c = lane;
-		for (; c + 96 < nc; c += 128) {
-			uint4 wa[4], wb[4];
-#pragma unroll
-			for (int u4 = 0; u4 < 4; u4++) {
-				wa[u4] = ldg_stream(w0 + (c + 32 * u4) * 8);
-				wb[u4] = ldg_stream(w1 + (c + 32 * u4) * 8);
-			}
-#pragma unroll
-			for (int u4 = 0; u4 < 4; u4++) g2_fma<NORM>(a, xs, c + 32 * u4, wa[u4], wb[u4], acc0, acc1);
+			for (int t = 0; t < GEMV_MAXN; t++)
+				if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, r0, r1, t, acc0[t], acc1[t]);
 		}
-		for (; c < nc; c += 32) g2_fma<NORM>(a, xs, c, ldg_stream(w0 + c * 8), ldg_stream(w1 + c * 8), acc0, acc1);
+		return;
+	}
+	// The loop runs alike in every warp of the block (its barriers).
+	for (int ub = blockIdx.x * per; ub < units; ub += nw) {
+		int u = ub + warp / ks, r0 = 0, r1 = -1;
+		if (u < units) {
+			g2_rows<MODE>(a, u, r0, r1);
+			const bf16_t *w0 = a.W + (long long)r0 * a.in, *w1 = a.W + (long long)(r1 < 0 ? r0 : r1) * a.in;
+			g2_dot<NORM>(a, xs, w0, w1, c0, c0 + cq, acc0, acc1);
 #pragma unroll
-		for (int t = 0; t < GEMV_MAXN; t++) {
-			for (int o = 16; o > 0; o >>= 1) {
-				acc0[t] += __shfl_xor_sync(0xffffffffu, acc0[t], o);
-				acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], o);
+			for (int t = 0; t < GEMV_MAXN; t++)
+				if (t < a.n && lane == t) kpart[warp][t][0] = acc0[t], kpart[warp][t][1] = acc1[t];
+		}
+		__syncthreads();
+		if (u < units && q == 0) {
+#pragma unroll
+			for (int t = 0; t < GEMV_MAXN; t++) {
+				if (t < a.n && lane == t) {
+					float v0 = kpart[warp][t][0], v1 = kpart[warp][t][1];
+					for (int j = 1; j < ks; j++) v0 += kpart[warp + j][t][0], v1 += kpart[warp + j][t][1];
+					g2_epilogue<MODE>(a, u, r0, r1, t, v0, v1);
+				}
 			}
 		}
-		// Every lane holds every sum (a butterfly adds the same two values
-		// on both partners); lane t finishes token t.
-#pragma unroll
-		for (int t = 0; t < GEMV_MAXN; t++)
-			if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, r0, r1, t, acc0[t], acc1[t]);
+		__syncthreads();
 	}
 }
 
 // gemv2_plain: Y[t] (f32) = X[t] . W^T + beta*Y[t], X in global memory (wo,
 // w2), copied to shared memory first when stage (n*in*2 bytes dynamic).
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, const bf16_t *X, const bf16_t *W,
-	int n, int out, int in, float beta, int stage) {
+	int n, int out, int in, float beta, int stage, int ks) {
 	g2_args a = {};
-	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.stage = stage;
+	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.stage = stage, a.ks = ks;
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a
 // q/k-norm model's QKV, the MoE router); xo (or 0) gets the normalised rows.
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
-	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo) {
+	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo, int ks) {
 	g2_args a = {};
 	a.W = W, a.x = x, a.normw = normw, a.rows = rows, a.Y = Y, a.n = n, a.out = out, a.in = in, a.vt = vt, a.eps = eps;
-	a.xo = xo;
+	a.xo = xo, a.ks = ks;
 	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
 }
 // gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
@@ -1076,7 +1119,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkv(bf16_t *q, bf
 	g2_args a = {};
 	a.W = W, a.x = x, a.normw = normw, a.q = q, a.kc = kc, a.vc = vc, a.bias = bias, a.pos = pos, a.slot = slot;
 	a.tab = tab, a.inv_freq = inv_freq, a.ntab = ntab, a.n = n, a.in = in, a.vt = vt, a.eps = eps;
-	a.nheads = nheads, a.nkv = nkv, a.interleaved = interleaved;
+	a.nheads = nheads, a.nkv = nkv, a.interleaved = interleaved, a.ks = 1;
 	gemv2<G2_ROPE, true>(a, (nheads + nkv) * (HEAD_DIM / 2) + nkv * HEAD_DIM / 2);
 }
 // gemv2_silu: the MLP's rmsnorm, gate/up GEMV and SiLU-multiply: h[t] (T,
@@ -1084,7 +1127,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkv(bf16_t *q, bf
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_silu(bf16_t *h, const float *x, const float *normw,
 	const bf16_t *W, int n, int hidden, int in, int vt, float eps) {
 	g2_args a = {};
-	a.W = W, a.x = x, a.normw = normw, a.h = h, a.n = n, a.out = hidden, a.in = in, a.vt = vt, a.eps = eps;
+	a.W = W, a.x = x, a.normw = normw, a.h = h, a.n = n, a.out = hidden, a.in = in, a.vt = vt, a.eps = eps, a.ks = 1;
 	gemv2<G2_SILU, true>(a, hidden);
 }
 

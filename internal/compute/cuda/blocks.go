@@ -245,8 +245,9 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		if lp.fused && qkNorm {
 			// rmsnorm and the GEMV in one launch (rows null: every token).
 			f := b.fn.g2Norm
-			r.launchDep(f, b.g2Grid(f, (qd+2*kvd+1)/2), cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
-				int32(n), int32(qd+2*kvd), int32(dim), lp.vt, c.NormEps, null)
+			grid, ks := b.g2Split(f, (qd+2*kvd+1)/2, dim)
+			r.launchDep(f, grid, cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
+				int32(n), int32(qd+2*kvd), int32(dim), lp.vt, c.NormEps, null, ks)
 		} else {
 			r.launch(b.fn.rmsnorm, cu.D1(nb), cu.D1(rmsT), 0, d.xb, d.x, w.attnNorm, null, int32(dim), c.NormEps)
 			r.gemm(d.qkv, true, d.xb, w.wqkv, n, qd+2*kvd, dim, 0)
@@ -493,8 +494,9 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	if lp.fused {
 		// rmsnorm and the router GEMV in one launch; its block 0 writes d.xb.
 		f := b.fn.g2Norm
-		r.launchDep(f, b.g2Grid(f, (stride+1)/2), cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
-			int32(n), int32(stride), int32(dim), lp.vt, c.NormEps, d.xb)
+		grid, ks := b.g2Split(f, (stride+1)/2, dim)
+		r.launchDep(f, grid, cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
+			int32(n), int32(stride), int32(dim), lp.vt, c.NormEps, d.xb, ks)
 	} else {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(n)), cu.D1(rmsThreads(dim)), 0, d.xb, d.x, w.ffnNorm, null, int32(dim), c.NormEps)
 		r.gemm(m.logits.p, true, d.xb, mw.router, n, stride, dim, 0)

@@ -346,7 +346,8 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 	if yF32 && b.fused(n) && in%8 == 0 {
 		f := b.fn.g2Plain
 		xb, stage := g2Stage(n, in)
-		r.launchDep(f, b.g2Grid(f, (out+1)/2), cu.D1(g2Threads), xb, y, x, w, int32(n), int32(out), int32(in), beta, stage)
+		grid, ks := b.g2Split(f, (out+1)/2, in)
+		r.launchDep(f, grid, cu.D1(g2Threads), xb, y, x, w, int32(n), int32(out), int32(in), beta, stage, ks)
 		return
 	}
 	if !b.opts.BatchInvariant && n <= b.fn.gemvMax && b.fn.gemvF32 != nil && in%8 == 0 {
@@ -471,8 +472,9 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	}
 	if b.fused(m) {
 		f := b.fn.g2Norm
-		r.launchDep(f, b.g2Grid(f, (rows+1)/2), cu.D1(g2Threads), uint32(m*dim*2), lg, d.x, b.w.norm,
-			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps, cu.DevicePtr(0))
+		grid, ks := b.g2Split(f, (rows+1)/2, dim)
+		r.launchDep(f, grid, cu.D1(g2Threads), uint32(m*dim*2), lg, d.x, b.w.norm,
+			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps, cu.DevicePtr(0), ks)
 	} else {
 		r.launch(b.fn.rmsnorm, cu.D1(uint32(m)), cu.D1(rmsThreads(dim)), 0, d.lx, d.x, b.w.norm, lp.meta(p.lrows), int32(dim),
 			c.NormEps)

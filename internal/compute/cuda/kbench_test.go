@@ -358,7 +358,7 @@ func (k *kbench) gemvs() {
 			nw := func(i int) {
 				xb, stage := g2Stage(n, m.in)
 				k.launch(f.g2Plain, b.g2Grid(f.g2Plain, (m.outRows+1)/2), cu.D1(g2Threads), xb, y[1], m.X, m.pick(&b.w.layers[i%L]),
-					n32, int32(m.outRows), int32(m.in), float32(1), stage)
+					n32, int32(m.outRows), int32(m.in), float32(1), stage, int32(1))
 			}
 			o(0)
 			nw(0)
@@ -372,7 +372,7 @@ func (k *kbench) gemvs() {
 		}
 		newLM := func(int) {
 			k.launch(f.g2Norm, b.g2Grid(f.g2Norm, (V+1)/2), cu.D1(g2Threads), xs, lg[1], x, b.w.norm, rows, b.w.lmHead, n32,
-				int32(V), int32(dim), vt, eps, cu.DevicePtr(0))
+				int32(V), int32(dim), vt, eps, cu.DevicePtr(0), int32(1))
 		}
 		oldLM(0)
 		newLM(0)

@@ -69,6 +69,11 @@ type tuning struct {
 	// noRouteSiLU: a one-token MoE pass routes in moe_route and then runs
 	// moe_gemv_silu1 instead of moe_route_silu1.
 	noRouteSiLU bool
+	// g2Split: the most warps gemv2_plain and gemv2_norm may give one unit
+	// (a row pair's chunks split between them, summed in a fixed order):
+	// more bytes in flight for the GEMVs of fewer units than resident warps.
+	// 0 or 1: one warp a unit, the sums of gemv_* (bit for bit).
+	g2Split int
 	// blocksDefs: extra NVRTC macros for the blocks kernel set (space
 	// separated, "-DDA_P=4 -DDA_PRE=1"), for kernel experiments.
 	blocksDefs string
@@ -594,6 +599,22 @@ func residentBlocks(threads, regs, smem, smemPerSM int) int {
 func (b *Backend) g2Grid(f *cu.Function, units int) cu.Dim3 {
 	per := g2Threads / 32
 	return cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f]))))
+}
+
+// g2Split is the grid and warps a unit (ks) of gemv2_plain or gemv2_norm
+// over units row pairs of in elements: ks 1 unless tuning g2Split allows
+// more, then the most (a power of two up to it and 8) that keeps the warps
+// within those resident at once, every warp's share of a row at least one
+// chunk a lane. ks depends on the shape alone, never on the batch.
+func (b *Backend) g2Split(f *cu.Function, units, in int) (cu.Dim3, int32) {
+	ks, nc, resident := 1, in/8, b.fn.g2Blocks[f]*(g2Threads/32)
+	for k := 2; k <= min(b.opts.tune.g2Split, g2Threads/32); k *= 2 {
+		if units*k <= resident && nc%k == 0 && nc/k >= 32 {
+			ks = k
+		}
+	}
+	per := g2Threads / 32 / ks
+	return cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f])))), int32(ks)
 }
 
 // rmsVT is the thread count whose reduction order gemv2's rmsnorm follows:
