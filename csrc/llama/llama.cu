@@ -390,20 +390,32 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_split(float *part
 	}
 }
 
+// comb_range is the splits s0 .. ns-1 that attn_combine merges for a
+// query at position p (those the sliding window reaches when window > 0).
+__device__ __forceinline__ void comb_range(int p, int window, int &s0, int &ns) {
+	ns = (p + ATT_SPLIT) / ATT_SPLIT;
+	s0 = window > 0 ? max(0, p + 1 - window) / ATT_SPLIT : 0;
+}
+// comb_stats: over splits s0 .. ns-1 of one head (ml its (m, l) pairs), M
+// the largest m and L the l rescaled to M, summed in split order.
+__device__ __forceinline__ void comb_stats(const float *ml, int s0, int ns, float &M, float &L) {
+	M = NEG_INF;
+	for (int s = s0; s < ns; s++) M = fmaxf(M, ml[s * 2]);
+	L = 0.f;
+	for (int s = s0; s < ns; s++) L += ml[s * 2 + 1] * expf(ml[s * 2] - M);
+}
+
 // attn_combine merges the splits of attn_split into out[qrow[qi]][head]
 // (those the sliding window reaches when window > 0). grid (heads, queries
 // of this launch), block HEAD_DIM (or fewer) threads.
 extern "C" __global__ void attn_combine(T *out, const float *part_o, const float *part_ml, const int *qrow,
 	const int *pos, int nsplit, int nheads, int qi0, int window) {
 	pdl_trigger();
-	int h = blockIdx.x, z = blockIdx.y, qi = qi0 + z;
-	int ns = (pos[qi] + ATT_SPLIT) / ATT_SPLIT;
-	int s0 = window > 0 ? max(0, pos[qi] + 1 - window) / ATT_SPLIT : 0;
+	int h = blockIdx.x, z = blockIdx.y, qi = qi0 + z, s0, ns;
+	comb_range(pos[qi], window, s0, ns);
 	long long base = ((long long)z * nheads + h) * nsplit;
-	float M = NEG_INF;
-	for (int s = s0; s < ns; s++) M = fmaxf(M, part_ml[(base + s) * 2]);
-	float L = 0.f;
-	for (int s = s0; s < ns; s++) L += part_ml[(base + s) * 2 + 1] * expf(part_ml[(base + s) * 2] - M);
+	float M, L;
+	comb_stats(part_ml + base * 2, s0, ns, M, L);
 	T *o = out + (long long)qrow[qi] * nheads * HEAD_DIM + h * HEAD_DIM;
 	for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
 		float a = 0.f;
@@ -847,6 +859,10 @@ struct g2_args {
 	int n, out, in, vt, ntab, nheads, nkv, interleaved;
 	int stage; // !NORM: X is first copied to shared memory ([n][in], n*in*2 bytes dynamic)
 	int ks;    // warps a unit (1, 2, 4 or 8; (in/8) % ks == 0), each over its ks-th of the chunks
+	// comb (!NORM, n 1): X is attn_combine's output for the pass's one
+	// query, merged into shared memory from the splits' partials
+	const float *part_o, *part_ml;
+	int comb, nsplit, window;
 	float beta, eps;
 };
 
@@ -961,6 +977,85 @@ __device__ __forceinline__ void g2_norm(const g2_args &a, bf16_t *xs, float *red
 	__syncthreads();
 }
 
+// g2_comb writes attn_combine's output for a pass of one query (at a.pos[0],
+// in / HEAD_DIM heads, a.nsplit splits a head, at most G2_COMB_S merged;
+// in at most G2_COMB_I * 1024) into xs as T, with
+// attn_combine's arithmetic: the same bits. The splits' (m, l) pairs are
+// loaded once into shared memory and each head's factors exp(m - M)
+// computed once; each thread then merges 4 elements of each of J groups,
+// two splits' partials in flight.
+#define G2_COMB_S 16
+#define G2_COMB_H 64
+#define G2_COMB_I 4
+__device__ __forceinline__ void g2_comb(const g2_args &a, bf16_t *xs) {
+	__shared__ float2 cml[G2_COMB_H][G2_COMB_S];
+	__shared__ float cf[G2_COMB_H][G2_COMB_S], cl[G2_COMB_H];
+	int nh = a.in / HEAD_DIM, s0, ns;
+	comb_range(a.pos[0], a.window, s0, ns);
+	int m = ns - s0;
+	for (int i = threadIdx.x; i < nh * m; i += blockDim.x) {
+		int h = i / m, s = i % m;
+		cml[h][s] = *(const float2 *)(a.part_ml + ((long long)h * a.nsplit + s0 + s) * 2);
+	}
+	__syncthreads();
+	for (int h = threadIdx.x; h < nh; h += blockDim.x) {
+		float M, L;
+		comb_stats(&cml[h][0].x, 0, m, M, L);
+		cl[h] = L;
+		for (int s = 0; s < m; s++) cf[h][s] = expf(cml[h][s].x - M);
+	}
+	__syncthreads();
+	const int tid = threadIdx.x;
+	float v[G2_COMB_I][4];
+	const float *po[G2_COMB_I];
+#pragma unroll
+	for (int j = 0; j < G2_COMB_I; j++) {
+		int i = min((tid + G2_THREADS * j) * 4, a.in - 4), h = i / HEAD_DIM; // past in: a valid address, unused
+		po[j] = a.part_o + ((long long)h * a.nsplit + s0) * HEAD_DIM + i % HEAD_DIM;
+		v[j][0] = v[j][1] = v[j][2] = v[j][3] = 0.f;
+	}
+	int jn = 0; // this thread's groups inside in
+#pragma unroll
+	for (int j = 0; j < G2_COMB_I; j++) jn += (tid + G2_THREADS * j) * 4 < a.in;
+	for (int s = 0; s < m; s += 2) {
+		float4 p[2][G2_COMB_I];
+#pragma unroll
+		for (int j = 0; j < G2_COMB_I; j++) {
+			if (j < jn) {
+				p[0][j] = *(const float4 *)(po[j] + (long long)s * HEAD_DIM);
+				if (s + 1 < m) p[1][j] = *(const float4 *)(po[j] + (long long)(s + 1) * HEAD_DIM);
+			}
+		}
+#pragma unroll
+		for (int k = 0; k < 2; k++) {
+			if (s + k < m) {
+#pragma unroll
+				for (int j = 0; j < G2_COMB_I; j++) {
+					if (j < jn) {
+						float f = cf[(tid + G2_THREADS * j) * 4 / HEAD_DIM][s + k];
+						v[j][0] += p[k][j].x * f;
+						v[j][1] += p[k][j].y * f;
+						v[j][2] += p[k][j].z * f;
+						v[j][3] += p[k][j].w * f;
+					}
+				}
+			}
+		}
+	}
+#pragma unroll
+	for (int j = 0; j < G2_COMB_I; j++) {
+		if (j < jn) {
+			int i = (tid + G2_THREADS * j) * 4;
+			float L = cl[i / HEAD_DIM];
+			uint2 o;
+			o.x = (u32)f2bf(v[j][0] / L) | (u32)f2bf(v[j][1] / L) << 16;
+			o.y = (u32)f2bf(v[j][2] / L) | (u32)f2bf(v[j][3] / L) << 16;
+			*(uint2 *)(xs + i) = o;
+		}
+	}
+	__syncthreads();
+}
+
 // g2_fma accumulates one 8-element chunk of two rows against X's chunk.
 template <bool NORM>
 __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c, uint4 wa, uint4 wb, float *acc0,
@@ -1048,6 +1143,7 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	}
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
+	if (!NORM && a.comb) g2_comb(a, xs);
 	if (!NORM && a.stage) {
 		// X read from shared memory, not as an L2 round trip that each
 		// chunk's FMAs wait for after its weights arrive.
@@ -1100,6 +1196,17 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, c
 	int n, int out, int in, float beta, int stage, int ks) {
 	g2_args a = {};
 	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.stage = stage, a.ks = ks;
+	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
+}
+// gemv2_comb: gemv2_plain (n 1, X staged) over attn_combine's output for
+// the pass's one query, merged from the attention's partials (part_o,
+// part_ml of nsplit splits a head, pos its position, window as
+// attn_combine's): no attn_combine launch. Dynamic shared memory in*2 bytes.
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_comb(float *Y, const bf16_t *W, int out, int in, float beta,
+	const float *part_o, const float *part_ml, const int *pos, int nsplit, int window, int ks) {
+	g2_args a = {};
+	a.W = W, a.Y = Y, a.n = 1, a.out = out, a.in = in, a.beta = beta, a.ks = ks;
+	a.part_o = part_o, a.part_ml = part_ml, a.pos = pos, a.nsplit = nsplit, a.window = window, a.comb = 1;
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a

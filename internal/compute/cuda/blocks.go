@@ -300,6 +300,9 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 	// backends load no other attention kernel).
 	win := int32(c.Window(li))
 	qchunk := p.qchunk
+	// One decode query: wo merges the splits itself (gemv2_comb).
+	comb := b.fn.g2Comb != nil && lp.fused && n == 1 && p.ng == 1 && p.np == 0 && p.nsplit <= g2CombSplits &&
+		c.Heads <= g2CombHeads && qd <= g2CombIn && qd%8 == 0 && !(b.fn.attnDecode2 != nil && b.fn.attnCnt != 0)
 	for q0 := 0; q0 < p.ng; q0 += qchunk {
 		cnt := uint32(min(qchunk, p.ng-q0))
 		grid := cu.Dim3{X: uint32(p.nsplit), Y: uint32(c.KVHeads), Z: cnt}
@@ -324,10 +327,19 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		default:
 			r.launch(f.attnSplit, grid, cu.D1(uint32(f.attThreads)), 0, append(args, lp.div, win)...)
 		}
-		r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
-			d.att, d.part, lp.partML, lp.meta(p.gRow), lp.meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0), win)
+		if !comb {
+			r.launch(f.attnCombine, cu.Dim3{X: uint32(c.Heads), Y: cnt, Z: 1}, cu.D1(uint32(f.combineThreads)), 0,
+				d.att, d.part, lp.partML, lp.meta(p.gRow), lp.meta(p.gPos), int32(p.nsplit), int32(c.Heads), int32(q0), win)
+		}
 	}
-	r.gemm(d.x, true, d.att, w.wo, n, dim, qd, b.sh.resid())
+	if comb {
+		f := b.fn.g2Comb
+		grid, ks := b.g2Split(f, (dim+1)/2, qd)
+		r.launchDep(f, grid, cu.D1(g2Threads), uint32(qd*2), d.x, w.wo, int32(dim), int32(qd), b.sh.resid(), d.part,
+			lp.partML, lp.meta(p.gPos), int32(p.nsplit), win, ks)
+	} else {
+		r.gemm(d.x, true, d.att, w.wo, n, dim, qd, b.sh.resid())
+	}
 	b.allReduce(lp)
 	// With tp > 1 the all-reduce ends after every rank's KV writes of the
 	// layer: rank 0 reports there (the other ranks get no layer calls).

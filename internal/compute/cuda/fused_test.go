@@ -14,7 +14,7 @@ import (
 // path, graphs on: buckets 1, 2, 4, 4) and 6 and 13 (bucket 8 and 16: gemm_sk
 // or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
 // old kernels' logits bit for bit (these dims reduce rmsnorm in its own
-// order); all the new kernels together must stay near them (with the 4- and
+// order; at batch 1 wo merges the attention's splits itself, gemv2_comb); all the new kernels together must stay near them (with the 4- and
 // 8-warp attention), and give the same bits with attn_combine instead of
 // attn_decode2's own merge and launched with programmatic dependent launch; the
 // defaults (attn_decode_tc at head dim 128) stay near them too. Shapes: head dims 8 to 128,

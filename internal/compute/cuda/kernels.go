@@ -74,6 +74,9 @@ type tuning struct {
 	// more bytes in flight for the GEMVs of fewer units than resident warps.
 	// 0 or 1: one warp a unit, the sums of gemv_* (bit for bit).
 	g2Split int
+	// noCombWo: a one-query decode pass merges its attention splits in
+	// attn_combine rather than in wo's gemv2_comb.
+	noCombWo bool
 	// blocksDefs: extra NVRTC macros for the blocks kernel set (space
 	// separated, "-DDA_P=4 -DDA_PRE=1"), for kernel experiments.
 	blocksDefs string
@@ -117,7 +120,10 @@ type kernels struct {
 	// layer of at most gemvMax tokens (nil: separate kernels).
 	attnDecode2                    *cu.Function
 	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
-	g2Blocks                       map[*cu.Function]int // most blocks resident at once (the grid cap)
+	// g2Comb: gemv2_comb, wo over attn_combine's output merged in its own
+	// blocks, for passes of one decode query (nil: attn_combine, gemv2_plain)
+	g2Comb   *cu.Function
+	g2Blocks map[*cu.Function]int // most blocks resident at once (the grid cap)
 	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
 	// blocks resident at once; skPart and skCnt: their split-K partial
 	// tiles and per-row-block counters (zero between launches).
@@ -558,7 +564,21 @@ func (b *Backend) loadFused() {
 	}
 	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
 	f.g2Blocks = blocks
+	if fn, err := b.mod.Function("gemv2_comb"); err == nil && !b.opts.tune.noCombWo {
+		regs, _ := fn.Attribute(cu.FuncAttrNumRegs)
+		static, _ := fn.Attribute(cu.FuncAttrSharedSizeBytes)
+		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+g2StageMax, smemPerSM)
+		f.g2Comb = fn
+	}
 }
+
+// gemv2_comb's limits (G2_COMB_S, G2_COMB_H, G2_COMB_I in llama.cu):
+// splits a head it merges, heads, elements of the merged row.
+const (
+	g2CombSplits = 16
+	g2CombHeads  = 64
+	g2CombIn     = 4 * 1024 // G2_COMB_I groups of 4 elements a thread
+)
 
 // g2StageMax is the most X bytes gemv2_plain copies to shared memory
 // (wo at 4 tokens, down at 1; larger X is read from global memory).
