@@ -88,7 +88,7 @@ if want vram && left 130 vram; then
 		tail -12 "$O/vram.log" | tee -a "$O/run.log"
 	fi
 fi
-if want profile && left 120 profile; then
+if want profile && left ${PROFILE_TIMEOUT:-120} profile; then
 	NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 	(cd "$root/internal/compute/cuda" && MOONCAKE_PROFILE=1 MOONCAKE_PROFILE_PREFILL=${PROFILE_PREFILL:-0} MOONCAKE_BENCH_SHAPE=${PROFILE_SHAPE:-qwen3-30b-a3b} \
 		MOONCAKE_PROFILE_BATCHES="${PROFILE_BATCHES:-1 32}" timeout ${PROFILE_TIMEOUT:-120} \
