@@ -859,8 +859,8 @@ struct g2_args {
 	int n, out, in, vt, ntab, nheads, nkv, interleaved;
 	int stage; // !NORM: X is first copied to shared memory ([n][in], n*in*2 bytes dynamic)
 	int ks;    // warps a unit (1, 2, 4 or 8; (in/8) % ks == 0), each over its ks-th of the chunks
-	// comb (!NORM, n 1): X is attn_combine's output for the pass's one
-	// query, merged into shared memory from the splits' partials
+	// comb (!NORM, n 1, with stage): X is attn_combine's output for the
+	// pass's one query, merged into shared memory from the splits' partials
 	const float *part_o, *part_ml;
 	int comb, nsplit, window;
 	float beta, eps;
@@ -1143,8 +1143,9 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	}
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
-	if (!NORM && a.comb) g2_comb(a, xs);
-	if (!NORM && a.stage) {
+	if (!NORM && a.comb) {
+		g2_comb(a, xs);
+	} else if (!NORM && a.stage) {
 		// X read from shared memory, not as an L2 round trip that each
 		// chunk's FMAs wait for after its weights arrive.
 		for (int i = threadIdx.x; i < a.n * nc; i += G2_THREADS) ((uint4 *)xs)[i] = ((const uint4 *)a.X)[i];
@@ -1207,6 +1208,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_comb(float *Y, co
 	g2_args a = {};
 	a.W = W, a.Y = Y, a.n = 1, a.out = out, a.in = in, a.beta = beta, a.ks = ks;
 	a.part_o = part_o, a.part_ml = part_ml, a.pos = pos, a.nsplit = nsplit, a.window = window, a.comb = 1;
+	a.stage = 1; // X read from xs, where g2_comb writes it
 	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
 }
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a
