@@ -46,7 +46,7 @@ type blockKernels struct {
 	mod                                             *cu.Module
 	qkNorm, moeGather, moeCombine, moeTopK, moeSort *cu.Function
 	moeRoute, gemvSiLU, gemvSiLU1, gemvDown         *cu.Function
-	routeSiLU1                                      *cu.Function // nil with tuning noRouteSiLU: moe_route, moe_gemv_silu1
+	routeSiLU1                                      *cu.Function // nil without tuning routeSiLU: moe_route, moe_gemv_silu1
 	qkNormRope                                      *cu.Function // nil with tuning noQKRope: qk_norm, rope_kv
 	gemvDownAdd                                     *cu.Function // nil with tuning noMoEAdd: moe_gemv_down, moe_combine
 	moeSiLU, moeDown                                *cu.Function // moe_sk_*: bf16 only
@@ -94,7 +94,7 @@ func (b *Backend) loadBlocks(k *cu.Kernels, opts []string) error {
 	if b.opts.tune.noMoEAdd {
 		bk.gemvDownAdd = nil
 	}
-	if b.opts.tune.noRouteSiLU || b.cfg.Experts > routeSiLUMaxE {
+	if !b.opts.tune.routeSiLU || b.cfg.Experts > routeSiLUMaxE {
 		bk.routeSiLU1 = nil
 	}
 	return nil
@@ -300,7 +300,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 	// backends load no other attention kernel).
 	win := int32(c.Window(li))
 	qchunk := p.qchunk
-	// One decode query: wo merges the splits itself (gemv2_comb).
+	// One decode query: wo merges the splits itself (gemv2_comb, opt-in).
 	comb := b.fn.g2Comb != nil && lp.fused && n == 1 && p.ng == 1 && p.np == 0 && p.nsplit <= g2CombSplits &&
 		c.Heads <= g2CombHeads && qd <= g2CombIn && qd%8 == 0 && !(b.fn.attnDecode2 != nil && b.fn.attnCnt != 0)
 	for q0 := 0; q0 < p.ng; q0 += qchunk {
@@ -485,8 +485,8 @@ func (b *Backend) moeGroupedFor(n int) bool {
 // moeMLP enqueues a mixture-of-experts block: RMSNorm, the router GEMM
 // (and the shared expert), the routing on the device (moe_topk: each
 // token's top k of the softmax; moe_sort: the pairs sorted by expert; one
-// moe_route launch for both at decode sizes, none for one token, whose
-// gate/up GEMV routes it: moe_route_silu1),
+// moe_route launch for both at decode sizes; with tuning routeSiLU none
+// for one token, whose gate/up GEMV routes it: moe_route_silu1),
 // then the chosen experts' GEMMs over their rows (the other experts'
 // weights are not read) and the weighted sum added to the residual
 // stream (by moe_gemv_down_add itself for a few pairs, else
@@ -527,7 +527,7 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	mm, _ := moeLayout(m.meta.p, nk, E)
 	bk := &b.bk
 	gemv := lp.grouped && (bk.moeDown == nil || n <= moeGemvMax && !b.opts.BatchInvariant)
-	// One token's routing runs inside its gate/up GEMV (moe_route_silu1).
+	// One token's routing inside its gate/up GEMV (moe_route_silu1, opt-in).
 	routed := gemv && n == 1 && bk.routeSiLU1 != nil
 	switch {
 	case routed:

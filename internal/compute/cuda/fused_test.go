@@ -14,7 +14,8 @@ import (
 // path, graphs on: buckets 1, 2, 4, 4) and 6 and 13 (bucket 8 and 16: gemm_sk
 // or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
 // old kernels' logits bit for bit (these dims reduce rmsnorm in its own
-// order; at batch 1 wo merges the attention's splits itself, gemv2_comb); all the new kernels together must stay near them (with the 4- and
+// order; so must the same with tuning combWo, whose wo merges one query's
+// attention splits itself, gemv2_comb); all the new kernels together must stay near them (with the 4- and
 // 8-warp attention), and give the same bits with attn_combine instead of
 // attn_decode2's own merge and launched with programmatic dependent launch; the
 // defaults (attn_decode_tc at head dim 128) stay near them too. Shapes: head dims 8 to 128,
@@ -58,6 +59,10 @@ func TestFusedDecode(t *testing.T) {
 			pdl := mk(tuning{skinnyMax: skMaxN, fuseCombine: true, pdl: true})
 			w8 := mk(tuning{decode2W8: true})
 			tc := mk(tuning{}) // the defaults: attn_decode_tc where it suits the shape
+			comb := mk(tuning{decodeV1: true, combWo: true})
+			if comb.fn.g2Comb == nil || tc.fn.g2Comb != nil {
+				t.Fatalf("gemv2_comb loaded %v with tuning combWo, %v without", comb.fn.g2Comb != nil, tc.fn.g2Comb != nil)
+			}
 			if m.Config.HeadDim == 128 && tc.fn.attnTC == nil {
 				t.Errorf("attn_decode_tc not loaded")
 			}
@@ -82,7 +87,7 @@ func TestFusedDecode(t *testing.T) {
 			if m.Config.Heads/m.Config.KVHeads <= 4 && !hasW8 {
 				t.Errorf("attn_decode2_w8 not loaded")
 			}
-			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc}
+			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc, comb}
 			r := newRand(uint64(len(sh.name)))
 			base := 0
 			for _, n := range groups {
@@ -98,6 +103,7 @@ func TestFusedDecode(t *testing.T) {
 					}
 				}
 				exact("fused GEMVs vs separate kernels", 0, 1)
+				exact("wo merging one query's splits (gemv2_comb) vs attn_combine", 0, 7)
 				exact("attn_decode2 merging its splits vs attn_combine", 2, 3)
 				if pdl.fn.pdl {
 					exact("programmatic launches vs plain ones", 2, 4)
@@ -151,11 +157,12 @@ func TestResidentBlocks(t *testing.T) {
 // TestFusedMoE checks the fused decode layer of the MoE models (bfloat16:
 // gemv2_norm for the QKV projection and for the router, whose block 0 also
 // writes the experts' normalised x; tiny-qwen3-moe's qk_norm_rope;
-// moe_gemv_down_add for passes of at most moeAddPairs pairs; one token's
-// routing inside moe_route_silu1; tiny-qwen2-moe with its gated shared
-// expert, tiny-mixtral with top 2) against the separate kernels (rmsnorm,
-// gemv_*, qk_norm, rope_kv, moe_route, moe_gemv_silu1, moe_gemv_down,
-// moe_combine): logits bit for bit over prefill and decode at batch sizes 1
+// moe_gemv_down_add for passes of at most moeAddPairs pairs; tiny-qwen2-moe
+// with its gated shared expert, tiny-mixtral with top 2), and the same with
+// tunings routeSiLU and combWo (one token's routing inside moe_route_silu1,
+// wo merging the attention's splits in gemv2_comb), against the separate
+// kernels (rmsnorm, gemv_*, qk_norm, rope_kv, moe_route, moe_gemv_silu1,
+// attn_combine, moe_gemv_down, moe_combine): logits bit for bit over prefill and decode at batch sizes 1
 // to 4 and 6 (past the fused layer: qk_norm_rope against qk_norm + rope_kv
 // alone).
 func TestFusedMoE(t *testing.T) {
@@ -169,12 +176,18 @@ func TestFusedMoE(t *testing.T) {
 			groups := []int{1, 2, 3, 4, 6}
 			const per, steps = 12, 6
 			mk := bf16Maker(t, m, groups, per)
-			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true, noMoEAdd: true, noRouteSiLU: true})
+			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true, noMoEAdd: true})
 			fused := mk(tuning{decodeV1: true})
-			if fused.fn.g2Norm == nil || fused.bk.gemvDownAdd == nil || fused.bk.routeSiLU1 == nil || !fused.moeCapturable() ||
+			// one token's routing in moe_route_silu1, wo merging its splits
+			opt := mk(tuning{decodeV1: true, routeSiLU: true, combWo: true})
+			if opt.bk.routeSiLU1 == nil || opt.fn.g2Comb == nil || fused.bk.routeSiLU1 != nil || fused.fn.g2Comb != nil {
+				t.Fatalf("moe_route_silu1 %v, gemv2_comb %v with their tunings; %v, %v without", opt.bk.routeSiLU1 != nil,
+					opt.fn.g2Comb != nil, fused.bk.routeSiLU1 != nil, fused.fn.g2Comb != nil)
+			}
+			if fused.fn.g2Norm == nil || fused.bk.gemvDownAdd == nil || !fused.moeCapturable() ||
 				m.Config.Spec.Attention.QKNorm && fused.bk.qkNormRope == nil {
-				t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, moe_gemv_down_add %v, moe_route_silu1 %v, grouped experts %v",
-					fused.fn.v2Err, fused.bk.qkNormRope != nil, fused.bk.gemvDownAdd != nil, fused.bk.routeSiLU1 != nil, fused.moeCapturable())
+				t.Fatalf("fused kernels not loaded (v2: %v), qk_norm_rope %v, moe_gemv_down_add %v, grouped experts %v",
+					fused.fn.v2Err, fused.bk.qkNormRope != nil, fused.bk.gemvDownAdd != nil, fused.moeCapturable())
 			}
 			if old.fn.g2QKV != nil || old.bk.qkNormRope != nil || old.bk.gemvDownAdd != nil || old.bk.routeSiLU1 != nil {
 				t.Fatal("the old-kernels backend loaded new kernels")
@@ -186,10 +199,14 @@ func TestFusedMoE(t *testing.T) {
 				for i := range prompts {
 					prompts[i] = randPrompt(r, 3+13*i%40, V) // 3 tokens: a prefill through the fused layer
 				}
-				res := lockstep(t, []*Backend{old, fused}, prompts, base, per, steps)
+				res := lockstep(t, []*Backend{old, fused, opt}, prompts, base, per, steps)
 				base += n
 				if d, _, am := compareSteps(res[0], res[1]); d != 0 || am != 0 {
 					t.Errorf("batch %d: fused vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
+				}
+				if d, _, am := compareSteps(res[0], res[2]); d != 0 || am != 0 {
+					t.Errorf("batch %d: moe_route_silu1 and gemv2_comb vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)",
+						n, d, am)
 				}
 			}
 		})

@@ -66,17 +66,19 @@ type tuning struct {
 	// noMoEAdd: the grouped expert GEMVs end in moe_gemv_down and
 	// moe_combine instead of moe_gemv_down_add.
 	noMoEAdd bool
-	// noRouteSiLU: a one-token MoE pass routes in moe_route and then runs
-	// moe_gemv_silu1 instead of moe_route_silu1.
-	noRouteSiLU bool
+	// routeSiLU: a one-token MoE pass routes inside its gate/up GEMV
+	// (moe_route_silu1) instead of in moe_route first. Opt-in until
+	// measured on a GPU (bit for bit in emulation; docs/BENCHMARKS.md).
+	routeSiLU bool
 	// g2Split: the most warps gemv2_plain and gemv2_norm may give one unit
 	// (a row pair's chunks split between them, summed in a fixed order):
 	// more bytes in flight for the GEMVs of fewer units than resident warps.
 	// 0 or 1: one warp a unit, the sums of gemv_* (bit for bit).
 	g2Split int
-	// noCombWo: a one-query decode pass merges its attention splits in
-	// attn_combine rather than in wo's gemv2_comb.
-	noCombWo bool
+	// combWo: a one-query decode pass merges its attention splits in wo's
+	// gemv2_comb rather than in attn_combine. Opt-in until measured on a
+	// GPU (its first form read a null X there; docs/BENCHMARKS.md).
+	combWo bool
 	// blocksDefs: extra NVRTC macros for the blocks kernel set (space
 	// separated, "-DDA_P=4 -DDA_PRE=1"), for kernel experiments.
 	blocksDefs string
@@ -564,7 +566,7 @@ func (b *Backend) loadFused() {
 	}
 	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
 	f.g2Blocks = blocks
-	if fn, err := b.mod.Function("gemv2_comb"); err == nil && !b.opts.tune.noCombWo {
+	if fn, err := b.mod.Function("gemv2_comb"); err == nil && b.opts.tune.combWo {
 		regs, _ := fn.Attribute(cu.FuncAttrNumRegs)
 		static, _ := fn.Attribute(cu.FuncAttrSharedSizeBytes)
 		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+g2StageMax, smemPerSM)
