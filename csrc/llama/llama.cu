@@ -7,6 +7,8 @@
 //   -DATT_THREADS=n  threads of that kernel (a multiple of HEAD_DIM)
 // The residual stream and all reductions are fp32. Every reduction has a
 // fixed order that depends only on the sequence itself, never on the batch.
+// testdata/llama_emu.cpp runs the decode GEMVs on the host
+// (TestGEMV2Emulated); the parts in inline PTX build only for the GPU.
 
 typedef unsigned short bf16_t;
 typedef unsigned int u32;
@@ -424,7 +426,7 @@ extern "C" __global__ void attn_combine(T *out, const float *part_o, const float
 	}
 }
 
-#if USE_BF16 && (HEAD_DIM % 16 == 0) && (HEAD_DIM <= 128)
+#if USE_BF16 && (HEAD_DIM % 16 == 0) && (HEAD_DIM <= 128) && defined(__CUDA_ARCH__) // (inline PTX: not emulated)
 // attn_prefill: causal flash attention with bf16 tensor cores
 // (mma.sync m16n8k16, fp32 accumulation) over the paged pool, for prefill
 // chunks. Block (q tile, head, seq): 4 warps, 16 query rows each; keys in
@@ -729,6 +731,9 @@ extern "C" __global__ void read_bw(const uint4 *p, long long n16, u32 *sink) {
 // Second-generation kernels (compiled only with -DMC_V2=1; the backend falls
 // back to a build without them if NVRTC rejects them).
 #if MC_V2
+#ifdef __CUDA_ARCH__ // (cudaemu.h has the host's)
+extern __shared__ __align__(16) unsigned char dyn_smem[];
+#endif
 __device__ __forceinline__ u32 smem_u32(const void *p) {
 	u32 a;
 	asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(a) : "l"(p));
@@ -736,11 +741,21 @@ __device__ __forceinline__ u32 smem_u32(const void *p) {
 }
 // ldg_stream: a 16-byte load that does not allocate in L1 (weights streamed once).
 __device__ __forceinline__ uint4 ldg_stream(const void *p) {
+#ifdef __CUDA_ARCH__
 	uint4 r;
 	asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
 		     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
 		     : "l"(p));
 	return r;
+#else
+	return *(const uint4 *)p;
+#endif
+}
+// l2_prefetch starts a line towards L2 (nothing on the host).
+__device__ __forceinline__ void l2_prefetch(const void *p) {
+#ifdef __CUDA_ARCH__
+	asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#endif
 }
 __device__ __forceinline__ void unpack8(uint4 a, float *o) {
 	o[0] = __uint_as_float(a.x << 16); o[1] = __uint_as_float(a.x & 0xffff0000u);
@@ -1117,10 +1132,9 @@ __device__ __forceinline__ void g2_dot(const g2_args &a, const bf16_t *xs, const
 // depends on ks (fixed by the shape), not on the pass.
 template <int MODE, bool NORM>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
-	extern __shared__ __align__(16) unsigned char g2_smem[];
 	__shared__ float red[32];
 	__shared__ float kpart[G2_THREADS / 32][GEMV_MAXN][2];
-	bf16_t *xs = (bf16_t *)g2_smem;
+	bf16_t *xs = (bf16_t *)dyn_smem;
 	const int ks = a.ks, per = (G2_THREADS / 32) / ks; // units a block takes at once
 	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = warp % ks;
 	int nc = a.in >> 3, cq = nc / ks, c0 = q * cq;
@@ -1136,8 +1150,8 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 		for (int u4 = 0; u4 < 4; u4++) {
 			int c = c0 + lane + 32 * u4;
 			if (c < c0 + cq) {
-				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w0 + c * 8));
-				asm volatile("prefetch.global.L2 [%0];\n" ::"l"(w1 + c * 8));
+				l2_prefetch(w0 + c * 8);
+				l2_prefetch(w1 + c * 8);
 			}
 		}
 	}
@@ -1240,6 +1254,7 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_silu(bf16_t *h, c
 	gemv2<G2_SILU, true>(a, hidden);
 }
 
+#ifdef __CUDA_ARCH__ // gemm_sk and moe_sk (inline PTX: not emulated)
 // gemm_sk_*: the decode GEMMs of 5..32 tokens (skinny: Y = X . W^T with X
 // [n][in] bf16 in global memory), streaming the weights once at HBM speed
 // through bf16 tensor cores (mma.sync m16n8k16, f32 accumulation). A block
@@ -1549,6 +1564,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_sk_qkv(bf16_t *q, bf16_t 
 	gemm_sk<SK_ROPE>(a);
 }
 #endif
+#endif // __CUDA_ARCH__
 #endif // USE_BF16
 
 #if USE_BF16 && (32 % (HEAD_DIM / 8) == 0)
@@ -1866,7 +1882,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode2_w8(float *part_o,
 #endif
 #endif
 
-#if USE_BF16 && (HEAD_DIM % 32 == 0) && (HEAD_DIM <= 128)
+#if USE_BF16 && (HEAD_DIM % 32 == 0) && (HEAD_DIM <= 128) && defined(__CUDA_ARCH__) // (inline PTX: not emulated)
 // attn_prefill2: causal flash attention, second version. Block (q tile,
 // head, seq) of FA2_WARPS warps, 16 query rows each; longest (latest) query
 // tiles launch first; 64-key K and V tiles stream through shared memory by
@@ -1884,8 +1900,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode2_w8(float *part_o,
 extern "C" __global__ void __launch_bounds__(FA2_WARPS * 32, 1) attn_prefill2(bf16_t *out, const bf16_t *q,
 	const bf16_t *kc, const bf16_t *vc, const int *qstart, const int *qlen, const int *pos0, const int *ptoff,
 	const int *pages, int page_size, int nheads, int nkv, float scale_log2) {
-	extern __shared__ __align__(16) unsigned char f2_smem[];
-	bf16_t *sm = (bf16_t *)f2_smem; // [stage][K|V][F2_BK][F2_PAD]
+	bf16_t *sm = (bf16_t *)dyn_smem; // [stage][K|V][F2_BK][F2_PAD]
 	int b = blockIdx.z, h = blockIdx.y;
 	int L = qlen[b];
 	int qt0 = (gridDim.x - 1 - blockIdx.x) * F2_BQ;

@@ -1,5 +1,6 @@
-// cudaemu.h: just enough of CUDA to run csrc/llama/sample.cu on the host,
-// for TestSampleKernelsEmulated: every block runs alone, its threads (a
+// cudaemu.h: just enough of CUDA to run csrc/llama's kernels on the host
+// (sample.cu, blocks.cu, attn.cu, llama.cu's decode GEMVs) for the
+// *Emulated tests: every block runs alone, its threads (a
 // multiple of 32) as coroutines on one OS thread, switched at the barriers:
 // __syncthreads waits for the block, the warp intrinsics (full masks only)
 // for the warp; a thread that returns drops out of both, as on a GPU; a
@@ -19,6 +20,9 @@
 
 struct uint4 {
 	unsigned x, y, z, w;
+};
+struct uint2 {
+	unsigned x, y;
 };
 struct float4 {
 	float x, y, z, w;

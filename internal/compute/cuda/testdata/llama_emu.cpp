@@ -1,0 +1,83 @@
+// llama_emu.cpp: runs csrc/llama/llama.cu's decode GEMVs (gemv_f32out,
+// gemv2_plain, gemv2_norm, gemv2_comb) and attn_combine on the host through
+// cudaemu.h, for TestGEMV2Emulated. Build (bf16 only: the gemv2 set is):
+//   g++ -std=c++20 -O0 -ffp-contract=off -DHEAD_DIM=64 -DUSE_BF16=1 -DGQA_GROUP=4 \
+//       -DATT_SPLIT=128 -DATT_THREADS=128 -DMC_V2=1 -DFA2_WARPS=4 \
+//       -DLLAMA_CU='"path/to/llama.cu"' llama_emu.cpp
+// Input (little-endian int32 unless said), then output:
+//   plain: n, out, in, ks, grid, X bf16 [n][in], W bf16 [out][in], Y f32
+//          [n][out] (beta 1); out Y after gemv_f32out, then after gemv2_plain.
+//   comb:  heads, nsplit, pos, window, out, ks, grid, part_o f32
+//          [heads][nsplit][HEAD_DIM], part_ml f32 [heads][nsplit][2], W bf16
+//          [out][heads*HEAD_DIM], Y f32 [out] (beta 1); out Y after
+//          attn_combine and gemv2_plain over its row, then after gemv2_comb.
+//   norm:  n, out, in, ks, grid, vt, eps (f32), x f32 [n][in], normw f32
+//          [in], W bf16 [out][in]; out Y f32 [n][out] and xo bf16 [n][in]
+//          of gemv2_norm (rows 0..n-1).
+#include "cudaemu.h"
+#include LLAMA_CU
+
+#include "emuio.h"
+
+int main(int argc, char **argv) {
+	if (!emu_open(argc, argv)) return 2;
+	for (;;) {
+		int op;
+		if (fread(&op, 4, 1, in) != 1) break;
+		if (op == 1) {
+			int n = rd(), out_ = rd(), in_ = rd(), ks = rd(), grid = rd();
+			std::vector<bf16_t> X, W;
+			std::vector<float> y0;
+			rdv(X, (size_t)n * in_);
+			rdv(W, (size_t)out_ * in_);
+			rdv(y0, (size_t)n * out_);
+			std::vector<float> y = y0;
+			emu_launch(gemv_f32out, {(unsigned)(out_ + 7) / 8, 1, 1}, 256, y.data(), (const bf16_t *)X.data(),
+				   (const bf16_t *)W.data(), n, out_, in_, 1.f);
+			wrv(y, (size_t)n * out_);
+			y = y0;
+			int stage = n * in_ * 2 <= (32 << 10);
+			emu_launch(gemv2_plain, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)X.data(),
+				   (const bf16_t *)W.data(), n, out_, in_, 1.f, stage, ks);
+			wrv(y, (size_t)n * out_);
+		} else if (op == 2) {
+			int nh = rd(), ns = rd(), pos = rd(), window = rd(), out_ = rd(), ks = rd(), grid = rd();
+			int qd = nh * HEAD_DIM;
+			std::vector<float> po, ml, y0;
+			std::vector<bf16_t> W, att(qd + 1);
+			rdv(po, (size_t)nh * ns * HEAD_DIM);
+			rdv(ml, (size_t)nh * ns * 2);
+			rdv(W, (size_t)out_ * qd);
+			rdv(y0, out_);
+			std::vector<int> qrow(2, 0), qpos(2, pos);
+			emu_launch(attn_combine, {(unsigned)nh, 1, 1}, HEAD_DIM, att.data(), (const float *)po.data(),
+				   (const float *)ml.data(), (const int *)qrow.data(), (const int *)qpos.data(), ns, nh, 0, window);
+			std::vector<float> y = y0;
+			emu_launch(gemv2_plain, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)att.data(),
+				   (const bf16_t *)W.data(), 1, out_, qd, 1.f, 1, ks);
+			wrv(y, out_);
+			y = y0;
+			emu_launch(gemv2_comb, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)W.data(), out_, qd, 1.f,
+				   (const float *)po.data(), (const float *)ml.data(), (const int *)qpos.data(), ns, window, ks);
+			wrv(y, out_);
+		} else if (op == 3) {
+			int n = rd(), out_ = rd(), in_ = rd(), ks = rd(), grid = rd(), vt = rd();
+			float eps;
+			if (fread(&eps, 4, 1, in) != 1) return 2;
+			std::vector<float> x, nw, y((size_t)n * out_ + 1);
+			std::vector<bf16_t> W, xo((size_t)n * in_ + 1);
+			rdv(x, (size_t)n * in_);
+			rdv(nw, in_);
+			rdv(W, (size_t)out_ * in_);
+			emu_launch(gemv2_norm, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const float *)x.data(),
+				   (const float *)nw.data(), (const int *)nullptr, (const bf16_t *)W.data(), n, out_, in_, vt, eps,
+				   xo.data(), ks);
+			wrv(y, (size_t)n * out_);
+			wrv(xo, (size_t)n * in_);
+		} else {
+			return 3;
+		}
+	}
+	fclose(out);
+	return 0;
+}
