@@ -33,7 +33,8 @@
 #   dense   TestBenchGraph8B at llama3-8b, new kernels (no regression; DENSE_VARIANTS, DENSE_TIMEOUT)
 #   sass    nvcc -Xptxas -v over attn.cu for sm_90a: registers, spills and
 #           ptxas's warnings (wgmma serialised) for attn_prefill4
-# TESTS overrides the tests stage's -test.run pattern (TESTS_TIMEOUT its 200 s).
+# TESTS overrides the tests stage's -test.run pattern (TESTS_TIMEOUT its 200 s in all);
+# each |-separated part runs in a process of its own, as each graph variant does.
 # Build: GPU_TEST_PKGS="./internal/compute/cuda" scripts/gpu-bundle.sh
 # Run:   run(command="bash scripts/gpu/moe13.sh", carry=["gpu-bundle"], timeout_s=600)
 set -u
@@ -47,8 +48,17 @@ t() { # name dir bin timeout run
 	grep -hE '^\s*--- (FAIL|SKIP)|_test.go:[0-9]+: .*(rel|skip|FAIL|mismatch|differ|graphs|rejected|error)' "$O/$1.log" | head -14 | cut -c1-220 | tee -a "$O/run.log"
 }
 if want tests; then
-	t cuda internal/compute/cuda internal.compute.cuda.test "${TESTS_TIMEOUT:-200}" "${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestFusedMoE|TestKernelsV2}"
-	grep -h "second-generation kernels rejected" "$O/cuda.log" | head -3 | cut -c1-600 | tee -a "$O/run.log"
+	# Each of TESTS' |-separated patterns in a process of its own: a kernel
+	# fault poisons its CUDA context, and only that process's tests.
+	pats=${TESTS:-TestGraphMoE|TestConformance|TestGolden|TestGraphEqualsEager|TestFusedDecode|TestFusedMoE|TestKernelsV2}
+	t0=$SECONDS
+	IFS='|' read -ra each <<<"$pats"
+	for p in "${each[@]}"; do
+		rest=$((${TESTS_TIMEOUT:-200} - (SECONDS - t0)))
+		[ "$rest" -gt 5 ] || { log "SKIP $p: tests time spent"; continue; }
+		t "cuda-${p//[^A-Za-z0-9]/}" internal/compute/cuda internal.compute.cuda.test "$rest" "$p"
+	done
+	grep -h "second-generation kernels rejected" "$O"/cuda-*.log | head -3 | cut -c1-600 | tee -a "$O/run.log"
 fi
 if want sass; then
 	NVCC=$(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null | head -1)
@@ -128,12 +138,25 @@ if want detail && [ -n "${DETAIL_KERNEL:-}" ] && left 120 detail; then
 	log "ncu detail $DETAIL_KERNEL rc $?"
 	grep -vE '^\s*$|^==PROF==|----' "$O/detail.log" | grep -E 'Duration|Throughput|Pipe|Eligible|Warp Cycles|Issued|Occupancy|Registers|Shared Memory|Stall|Bank|L1|L2|DRAM|Block Size|Grid Size|Waves|Executed Ipc|OPT|est' | cut -c1-200 | head -90 | tee -a "$O/run.log"
 fi
+# graphs shape variants timeout out: TestBenchGraph8B, each variant in a
+# process of its own (a fault in one leaves the others' figures), the
+# tables appended to $O/out.txt.
+graphs() {
+	local t0=$SECONDS v rest
+	for v in ${2//,/ }; do
+		rest=$(($3 - (SECONDS - t0)))
+		[ "$rest" -gt 5 ] || { log "SKIP graph $1 $v: time spent"; continue; }
+		(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=$1 MOONCAKE_BENCH_VARIANTS=$v \
+			BENCH_OUT=$O/$4-$v.txt timeout "$rest" "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >>"$O/$4.log" 2>&1
+		log "graph $1 $v rc $?"
+		cat "$O/$4-$v.txt" >>"$O/$4.txt" 2>/dev/null
+		rm -f "$O/$4-$v.txt"
+	done
+	grep -hE "loaded|FAIL|panic|captured" "$O/$4.log" | head -4 | cut -c1-300 | tee -a "$O/run.log"
+	cat "$O/$4.txt" 2>/dev/null | tee -a "$O/run.log"
+}
 if want graph && left ${GRAPH_TIMEOUT:-150} graph; then
-	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_SHAPE=qwen3-30b-a3b MOONCAKE_BENCH_VARIANTS=${VARIANTS:-new} \
-		BENCH_OUT=$O/graph-moe.txt timeout ${GRAPH_TIMEOUT:-220} "$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-moe.log" 2>&1
-	log "graph qwen3-30b-a3b rc $?"
-	grep -hE "loaded|FAIL|panic|captured" "$O/graph-moe.log" | head -4 | cut -c1-300 | tee -a "$O/run.log"
-	cat "$O/graph-moe.txt" 2>/dev/null | tee -a "$O/run.log"
+	graphs qwen3-30b-a3b "${VARIANTS:-new}" "${GRAPH_TIMEOUT:-220}" graph-moe
 fi
 if want pd && left 150 pd; then
 	OUT=$O/pd-8b BACKENDS=${PD_BACKENDS:-tcp nvlink} LENS=${PD_LENS:-100 1000} timeout 150 bash scripts/gpu/pd-tcp.sh >"$O/pd-8b.log" 2>&1
@@ -186,10 +209,7 @@ if want kernels && left 90 kernels; then
 	cat "$O/kbench.txt" 2>/dev/null | tee -a "$O/run.log"
 fi
 if want dense && left ${DENSE_TIMEOUT:-80} dense; then
-	(cd "$root/internal/compute/cuda" && MOONCAKE_BENCH=1 MOONCAKE_BENCH_VARIANTS=${DENSE_VARIANTS:-new} BENCH_OUT=$O/graph-8b.txt timeout ${DENSE_TIMEOUT:-80} \
-		"$w/internal.compute.cuda.test" -test.v -test.run 'TestBenchGraph8B$') >"$O/graph-8b.log" 2>&1
-	log "graph llama3-8b rc $?"
-	cat "$O/graph-8b.txt" 2>/dev/null | tee -a "$O/run.log"
+	graphs llama3-8b "${DENSE_VARIANTS:-new}" "${DENSE_TIMEOUT:-80}" graph-8b
 fi
 (cd "$O" && find . -mindepth 1 -maxdepth 1 ! -name run.log >"$w/list" && tar cJf "$w/logs.tar.xz" --remove-files -T "$w/list" && mv "$w/logs.tar.xz" .)
 log done
