@@ -874,10 +874,10 @@ struct g2_args {
 	int n, out, in, vt, ntab, nheads, nkv, interleaved;
 	int stage; // !NORM: X is first copied to shared memory ([n][in], n*in*2 bytes dynamic)
 	int ks;    // warps a unit (1, 2, 4 or 8; (in/8) % ks == 0), each over its ks-th of the chunks
-	// comb (!NORM, n 1, with stage): X is attn_combine's output for the
+	// gemv2_comb (n 1, with stage): X is attn_combine's output for the
 	// pass's one query, merged into shared memory from the splits' partials
 	const float *part_o, *part_ml;
-	int comb, nsplit, window;
+	int nsplit, window;
 	float beta, eps;
 };
 
@@ -1125,17 +1125,17 @@ __device__ __forceinline__ void g2_dot(const g2_args &a, const bf16_t *xs, const
 	}
 }
 
-// gemv2 over units of work (row pairs, or MODE's units). With a.ks > 1
-// the ks warps of a group share each unit, warp q of the group over chunks
-// [q*nc/ks, (q+1)*nc/ks); their sums meet in shared memory and the group's
-// first warp adds them in q order and finishes the unit: a unit's result
-// depends on ks (fixed by the shape), not on the pass.
-template <int MODE, bool NORM>
+// gemv2 over units of work (row pairs, or MODE's units). With SPLIT and
+// a.ks > 1 the ks warps of a group share each unit, warp q of the group over
+// chunks [q*nc/ks, (q+1)*nc/ks); their sums meet in shared memory and the
+// group's first warp adds them in q order and finishes the unit: a unit's
+// result depends on ks (fixed by the shape), not on the pass. COMB: X is
+// g2_comb's merge (!NORM). Without either, the kernel is the plain one.
+template <int MODE, bool NORM, bool SPLIT = false, bool COMB = false>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	__shared__ float red[32];
-	__shared__ float kpart[G2_THREADS / 32][GEMV_MAXN][2];
 	bf16_t *xs = (bf16_t *)dyn_smem;
-	const int ks = a.ks, per = (G2_THREADS / 32) / ks; // units a block takes at once
+	const int ks = SPLIT ? a.ks : 1, per = (G2_THREADS / 32) / ks; // units a block takes at once
 	int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, q = warp % ks;
 	int nc = a.in >> 3, cq = nc / ks, c0 = q * cq;
 	int gw = blockIdx.x * per + warp / ks, nw = gridDim.x * per;
@@ -1157,7 +1157,7 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	}
 	pdl_wait();
 	if (NORM) g2_norm(a, xs, red);
-	if (!NORM && a.comb) {
+	if (!NORM && COMB) {
 		g2_comb(a, xs);
 	} else if (!NORM && a.stage) {
 		// X read from shared memory, not as an L2 round trip that each
@@ -1180,6 +1180,7 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 		return;
 	}
 	// The loop runs alike in every warp of the block (its barriers).
+	__shared__ float kpart[G2_THREADS / 32][GEMV_MAXN][2];
 	for (int ub = blockIdx.x * per; ub < units; ub += nw) {
 		int u = ub + warp / ks, r0 = 0, r1 = -1;
 		if (u < units) {
@@ -1206,12 +1207,22 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 }
 
 // gemv2_plain: Y[t] (f32) = X[t] . W^T + beta*Y[t], X in global memory (wo,
-// w2), copied to shared memory first when stage (n*in*2 bytes dynamic).
-extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, const bf16_t *X, const bf16_t *W,
-	int n, int out, int in, float beta, int stage, int ks) {
+// w2), copied to shared memory first when stage (n*in*2 bytes dynamic); ks
+// is ignored. gemv2_plain_ks: the same with each unit over ks warps.
+template <bool SPLIT>
+__device__ __forceinline__ void g2_plain(float *Y, const bf16_t *X, const bf16_t *W, int n, int out, int in, float beta,
+	int stage, int ks) {
 	g2_args a = {};
 	a.W = W, a.X = X, a.Y = Y, a.n = n, a.out = out, a.in = in, a.beta = beta, a.stage = stage, a.ks = ks;
-	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
+	gemv2<G2_PLAIN, false, SPLIT>(a, (out + 1) / 2);
+}
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain(float *Y, const bf16_t *X, const bf16_t *W,
+	int n, int out, int in, float beta, int stage, int ks) {
+	g2_plain<false>(Y, X, W, n, out, in, beta, stage, ks);
+}
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_plain_ks(float *Y, const bf16_t *X, const bf16_t *W,
+	int n, int out, int in, float beta, int stage, int ks) {
+	g2_plain<true>(Y, X, W, n, out, in, beta, stage, ks);
 }
 // gemv2_comb: gemv2_plain (n 1, X staged) over attn_combine's output for
 // the pass's one query, merged from the attention's partials (part_o,
@@ -1221,18 +1232,28 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_comb(float *Y, co
 	const float *part_o, const float *part_ml, const int *pos, int nsplit, int window, int ks) {
 	g2_args a = {};
 	a.W = W, a.Y = Y, a.n = 1, a.out = out, a.in = in, a.beta = beta, a.ks = ks;
-	a.part_o = part_o, a.part_ml = part_ml, a.pos = pos, a.nsplit = nsplit, a.window = window, a.comb = 1;
+	a.part_o = part_o, a.part_ml = part_ml, a.pos = pos, a.nsplit = nsplit, a.window = window;
 	a.stage = 1; // X read from xs, where g2_comb writes it
-	gemv2<G2_PLAIN, false>(a, (out + 1) / 2);
+	gemv2<G2_PLAIN, false, true, true>(a, (out + 1) / 2);
 }
 // gemv2_norm: Y[t] (f32) = rmsnorm(x[rows[t]]) * normw . W^T (the logits, a
-// q/k-norm model's QKV, the MoE router); xo (or 0) gets the normalised rows.
-extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
-	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo, int ks) {
+// q/k-norm model's QKV, the MoE router); xo (or 0) gets the normalised rows;
+// ks is ignored. gemv2_norm_ks: the same with each unit over ks warps.
+template <bool SPLIT>
+__device__ __forceinline__ void g2_normed(float *Y, const float *x, const float *normw, const int *rows, const bf16_t *W,
+	int n, int out, int in, int vt, float eps, bf16_t *xo, int ks) {
 	g2_args a = {};
 	a.W = W, a.x = x, a.normw = normw, a.rows = rows, a.Y = Y, a.n = n, a.out = out, a.in = in, a.vt = vt, a.eps = eps;
 	a.xo = xo, a.ks = ks;
-	gemv2<G2_PLAIN, true>(a, (out + 1) / 2);
+	gemv2<G2_PLAIN, true, SPLIT>(a, (out + 1) / 2);
+}
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, const float *x, const float *normw,
+	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo, int ks) {
+	g2_normed<false>(Y, x, normw, rows, W, n, out, in, vt, eps, xo, ks);
+}
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm_ks(float *Y, const float *x, const float *normw,
+	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo, int ks) {
+	g2_normed<true>(Y, x, normw, rows, W, n, out, in, vt, eps, xo, ks);
 }
 // gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
 // write (rope_kv's arguments, in = dim).

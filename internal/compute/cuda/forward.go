@@ -346,7 +346,7 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 	if yF32 && b.fused(n) && in%8 == 0 {
 		f := b.fn.g2Plain
 		xb, stage := g2Stage(n, in)
-		grid, ks := b.g2Split(f, (out+1)/2, in)
+		f, grid, ks := b.g2Split(f, (out+1)/2, in)
 		r.launchDep(f, grid, cu.D1(g2Threads), xb, y, x, w, int32(n), int32(out), int32(in), beta, stage, ks)
 		return
 	}
@@ -472,7 +472,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 	}
 	if b.fused(m) {
 		f := b.fn.g2Norm
-		grid, ks := b.g2Split(f, (rows+1)/2, dim)
+		f, grid, ks := b.g2Split(f, (rows+1)/2, dim)
 		r.launchDep(f, grid, cu.D1(g2Threads), uint32(m*dim*2), lg, d.x, b.w.norm,
 			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps, cu.DevicePtr(0), ks)
 	} else {

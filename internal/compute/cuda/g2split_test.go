@@ -10,8 +10,8 @@ import (
 	cu "github.com/mooncake-go/mooncake-go/internal/cuda"
 )
 
-// TestG2Split runs gemv2_plain and gemv2_norm with their units split over
-// 1, 2, 4 and 8 warps (tuning g2Split) on random bf16 data, on full grids
+// TestG2Split runs gemv2_plain_ks and gemv2_norm_ks with their units split
+// over 1, 2, 4 and 8 warps (tuning g2Split) on random bf16 data, on full grids
 // and on grids of a few blocks (the block loop), against float64 sums of
 // the same operands: every output within 1e-5 of the sum of |w||x|; ks 1
 // equal to gemv_f32out bit for bit (plain); each split twice the same bits;
@@ -32,24 +32,31 @@ func TestG2Split(t *testing.T) {
 	k := &kbench{t: t, b: b}
 	defer k.free()
 	f := &b.fn
-	res := f.g2Blocks[f.g2Plain] * (g2Threads / 32)
+	split, splitN := f.g2Splits[f.g2Plain], f.g2Splits[f.g2Norm]
+	if split == nil || splitN == nil {
+		t.Fatal("gemv2_plain_ks or gemv2_norm_ks not loaded with tuning g2Split")
+	}
+	res := f.g2Blocks[split] * (g2Threads / 32)
 	t.Logf("gemv2_plain: %d warps resident", res)
 	// The most warps a unit (a power of two up to 8) that stay resident and
 	// leave every warp a chunk a lane: the MoE router (64 units) gets 8.
 	for _, c := range [][2]int{{1024, 4096}, {64, 2048}, {2048, 4096}, {2560, 2048}, {64, 128}, {8, 2048}} {
 		units, in := c[0], c[1]
-		_, ks32 := b.g2Split(f.g2Plain, units, in)
+		fn, _, ks32 := b.g2Split(f.g2Plain, units, in)
 		ks, nc := int(ks32), in/8
 		fits := func(k int) bool { return k <= 8 && units*k <= res && nc%k == 0 && nc/k >= 32 }
 		if ks&(ks-1) != 0 || ks > 1 && !fits(ks) || fits(2*ks) {
 			t.Errorf("g2Split(%d units, in %d) = %d of %d resident warps", units, in, ks, res)
 		}
+		if (fn == f.g2Plain) != (ks == 1) {
+			t.Errorf("g2Split(%d units, in %d): %s for %d warps a unit", units, in, fn.Name, ks)
+		}
 	}
-	if _, ks := b.g2Split(f.g2Plain, 64, 2048); ks != 8 {
+	if _, _, ks := b.g2Split(f.g2Plain, 64, 2048); ks != 8 {
 		t.Errorf("g2Split(64 units, in 2048) = %d, want 8", ks)
 	}
 	off := newOrSkip(t, m, Options{DType: "bfloat16", PageSize: 16, Pages: 16})
-	if _, ks := off.g2Split(off.fn.g2Plain, 64, 2048); ks != 1 {
+	if _, _, ks := off.g2Split(off.fn.g2Plain, 64, 2048); ks != 1 {
 		t.Errorf("without tuning g2Split: %d warps a unit, want 1", ks)
 	}
 
@@ -122,11 +129,11 @@ func TestG2Split(t *testing.T) {
 				var runs [2][]float32
 				for r := range runs {
 					reset()
-					k.launch(f.g2Plain, cu.D1(grid), cu.D1(g2Threads), xb, Y, X, W, int32(n), int32(out), int32(in), float32(1),
+					k.launch(split, cu.D1(grid), cu.D1(g2Threads), xb, Y, X, W, int32(n), int32(out), int32(in), float32(1),
 						stage, int32(ks))
 					runs[r] = f32(Y, n*out)
 				}
-				what := fmt.Sprintf("gemv2_plain n %d ks %d grid %d", n, ks, grid)
+				what := fmt.Sprintf("gemv2_plain_ks n %d ks %d grid %d", n, ks, grid)
 				check(what, runs[0], want, mag)
 				same(what+": second run", runs[0], runs[1])
 				if ks == 1 {
@@ -147,7 +154,7 @@ func TestG2Split(t *testing.T) {
 	var xoRef []float64
 	var refs []float32
 	for _, ks := range []int{1, 2, 4, 8} {
-		k.launch(f.g2Norm, cu.D1(uint32(min(ceilDiv((nout+1)/2*ks, 8), 5))), cu.D1(g2Threads), uint32(n*nin*2), Yn, xf, nw, rows,
+		k.launch(splitN, cu.D1(uint32(min(ceilDiv((nout+1)/2*ks, 8), 5))), cu.D1(g2Threads), uint32(n*nin*2), Yn, xf, nw, rows,
 			Wn, int32(n), int32(nout), int32(nin), rmsVT(nin), float32(1e-5), xo, int32(ks))
 		got, xs := f32(Yn, n*nout), bf(xo, n*nin)
 		if ks == 1 {

@@ -124,7 +124,10 @@ type kernels struct {
 	g2Plain, g2Norm, g2QKV, g2SiLU *cu.Function
 	// g2Comb: gemv2_comb, wo over attn_combine's output merged in its own
 	// blocks, for passes of one decode query (nil: attn_combine, gemv2_plain)
-	g2Comb   *cu.Function
+	g2Comb *cu.Function
+	// g2Splits: the forms of g2Plain, g2Norm and g2Comb that split a unit
+	// over warps (tuning g2Split; none without it)
+	g2Splits map[*cu.Function]*cu.Function
 	g2Blocks map[*cu.Function]int // most blocks resident at once (the grid cap)
 	// skinny GEMMs (gemm_sk_*) for gemvMax < n <= skMax tokens, skCap
 	// blocks resident at once; skPart and skCnt: their split-K partial
@@ -566,11 +569,43 @@ func (b *Backend) loadFused() {
 	}
 	f.g2Plain, f.g2Norm, f.g2QKV, f.g2SiLU = fns[0], fns[1], fns[2], fns[3]
 	f.g2Blocks = blocks
-	if fn, err := b.mod.Function("gemv2_comb"); err == nil && b.opts.tune.combWo {
+	// The opt-in forms: gemv2_comb, and the splitting twins (tuning g2Split).
+	opt := func(name string, dyn int) *cu.Function {
+		fn, err := b.mod.Function(name)
+		if err != nil {
+			b.lg.Warn("fused decode kernel not loaded", zap.String("kernel", name), zap.Error(err))
+			return nil
+		}
+		if dyn > 48<<10 {
+			if err := fn.SetAttribute(cu.FuncAttrMaxDynamicSharedSizeBytes, dyn); err != nil {
+				return nil
+			}
+		}
 		regs, _ := fn.Attribute(cu.FuncAttrNumRegs)
 		static, _ := fn.Attribute(cu.FuncAttrSharedSizeBytes)
-		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+g2StageMax, smemPerSM)
-		f.g2Comb = fn
+		blocks[fn] = sms * residentBlocks(g2Threads, regs, static+dyn, smemPerSM)
+		return fn
+	}
+	if b.opts.tune.combWo {
+		f.g2Comb = opt("gemv2_comb", g2StageMax)
+	}
+	f.g2Splits = map[*cu.Function]*cu.Function{}
+	if b.opts.tune.g2Split > 1 {
+		for _, p := range []struct {
+			base *cu.Function
+			name string
+			dyn  int
+		}{{f.g2Plain, "gemv2_plain_ks", g2StageMax}, {f.g2Norm, "gemv2_norm_ks", smem}, {f.g2Comb, "", 0}} {
+			switch {
+			case p.base == nil:
+			case p.name == "":
+				f.g2Splits[p.base] = p.base // gemv2_comb splits itself
+			default:
+				if sf := opt(p.name, p.dyn); sf != nil {
+					f.g2Splits[p.base] = sf
+				}
+			}
+		}
 	}
 }
 
@@ -623,20 +658,27 @@ func (b *Backend) g2Grid(f *cu.Function, units int) cu.Dim3 {
 	return cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f]))))
 }
 
-// g2Split is the grid and warps a unit (ks) of gemv2_plain or gemv2_norm
-// over units row pairs of in elements: ks 1 unless tuning g2Split allows
-// more, then the most (a power of two up to it and 8) that keeps the warps
-// within those resident at once, every warp's share of a row at least one
-// chunk a lane. ks depends on the shape alone, never on the batch.
-func (b *Backend) g2Split(f *cu.Function, units, in int) (cu.Dim3, int32) {
-	ks, nc, resident := 1, in/8, b.fn.g2Blocks[f]*(g2Threads/32)
-	for k := 2; k <= min(b.opts.tune.g2Split, g2Threads/32); k *= 2 {
-		if units*k <= resident && nc%k == 0 && nc/k >= 32 {
-			ks = k
+// g2Split is the kernel, grid and warps a unit (ks) of a gemv2_plain,
+// gemv2_norm or gemv2_comb launch (f) over units row pairs of in elements:
+// ks 1 unless tuning g2Split allows more, then the most (a power of two up
+// to it and 8) that keeps the warps within those resident at once, every
+// warp's share of a row at least one chunk a lane; with ks > 1 the kernel is
+// f's splitting form. ks depends on the shape alone, never on the batch.
+func (b *Backend) g2Split(f *cu.Function, units, in int) (*cu.Function, cu.Dim3, int32) {
+	ks := 1
+	if sf := b.fn.g2Splits[f]; sf != nil {
+		nc, resident := in/8, b.fn.g2Blocks[sf]*(g2Threads/32)
+		for k := 2; k <= min(b.opts.tune.g2Split, g2Threads/32); k *= 2 {
+			if units*k <= resident && nc%k == 0 && nc/k >= 32 {
+				ks = k
+			}
+		}
+		if ks > 1 {
+			f = sf
 		}
 	}
 	per := g2Threads / 32 / ks
-	return cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f])))), int32(ks)
+	return f, cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f])))), int32(ks)
 }
 
 // rmsVT is the thread count whose reduction order gemv2's rmsnorm follows:

@@ -1,19 +1,20 @@
 // llama_emu.cpp: runs csrc/llama/llama.cu's decode GEMVs (gemv_f32out,
-// gemv2_plain, gemv2_norm, gemv2_comb) and attn_combine on the host through
+// gemv2_plain and _ks, gemv2_norm_ks, gemv2_comb) and attn_combine on the host through
 // cudaemu.h, for TestGEMV2Emulated. Build (bf16 only: the gemv2 set is):
 //   g++ -std=c++20 -O0 -ffp-contract=off -DHEAD_DIM=64 -DUSE_BF16=1 -DGQA_GROUP=4 \
 //       -DATT_SPLIT=128 -DATT_THREADS=128 -DMC_V2=1 -DFA2_WARPS=4 \
 //       -DLLAMA_CU='"path/to/llama.cu"' llama_emu.cpp
 // Input (little-endian int32 unless said), then output:
 //   plain: n, out, in, ks, grid, X bf16 [n][in], W bf16 [out][in], Y f32
-//          [n][out] (beta 1); out Y after gemv_f32out, then after gemv2_plain.
+//          [n][out] (beta 1); out Y after gemv_f32out, after gemv2_plain,
+//          then after gemv2_plain_ks (ks warps a unit).
 //   comb:  heads, nsplit, pos, window, out, ks, grid, part_o f32
 //          [heads][nsplit][HEAD_DIM], part_ml f32 [heads][nsplit][2], W bf16
 //          [out][heads*HEAD_DIM], Y f32 [out] (beta 1); out Y after
-//          attn_combine and gemv2_plain over its row, then after gemv2_comb.
+//          attn_combine and gemv2_plain_ks over its row, then after gemv2_comb.
 //   norm:  n, out, in, ks, grid, vt, eps (f32), x f32 [n][in], normw f32
 //          [in], W bf16 [out][in]; out Y f32 [n][out] and xo bf16 [n][in]
-//          of gemv2_norm (rows 0..n-1).
+//          of gemv2_norm_ks (rows 0..n-1).
 #include "cudaemu.h"
 #include LLAMA_CU
 
@@ -38,6 +39,10 @@ int main(int argc, char **argv) {
 			y = y0;
 			int stage = n * in_ * 2 <= (32 << 10);
 			emu_launch(gemv2_plain, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)X.data(),
+				   (const bf16_t *)W.data(), n, out_, in_, 1.f, stage, 1);
+			wrv(y, (size_t)n * out_);
+			y = y0;
+			emu_launch(gemv2_plain_ks, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)X.data(),
 				   (const bf16_t *)W.data(), n, out_, in_, 1.f, stage, ks);
 			wrv(y, (size_t)n * out_);
 		} else if (op == 2) {
@@ -53,7 +58,7 @@ int main(int argc, char **argv) {
 			emu_launch(attn_combine, {(unsigned)nh, 1, 1}, HEAD_DIM, att.data(), (const float *)po.data(),
 				   (const float *)ml.data(), (const int *)qrow.data(), (const int *)qpos.data(), ns, nh, 0, window);
 			std::vector<float> y = y0;
-			emu_launch(gemv2_plain, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)att.data(),
+			emu_launch(gemv2_plain_ks, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const bf16_t *)att.data(),
 				   (const bf16_t *)W.data(), 1, out_, qd, 1.f, 1, ks);
 			wrv(y, out_);
 			y = y0;
@@ -69,7 +74,7 @@ int main(int argc, char **argv) {
 			rdv(x, (size_t)n * in_);
 			rdv(nw, in_);
 			rdv(W, (size_t)out_ * in_);
-			emu_launch(gemv2_norm, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const float *)x.data(),
+			emu_launch(gemv2_norm_ks, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const float *)x.data(),
 				   (const float *)nw.data(), (const int *)nullptr, (const bf16_t *)W.data(), n, out_, in_, vt, eps,
 				   xo.data(), ks);
 			wrv(y, (size_t)n * out_);
