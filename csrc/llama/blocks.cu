@@ -85,29 +85,7 @@ __device__ __forceinline__ void blk_pdl_wait() {
 #endif
 }
 
-// qkn_load reads lane's elements of a head (row, plus bias b unless 0) into
-// v and returns the sum of their squares; qkn_scale sums it over the warp
-// and returns the RMSNorm scale. qk_norm and qk_norm_rope share both.
-#define QKN_PER ((HEAD_DIM + 31) / 32)
-__device__ __forceinline__ float qkn_load(const float *row, const float *b, float *v) {
-	float ss = 0.f;
-#pragma unroll
-	for (int k = 0; k < QKN_PER; k++) {
-		int i = threadIdx.x + 32 * k;
-		float x = 0.f;
-		if (i < HEAD_DIM) {
-			x = row[i];
-			if (b) x += b[i];
-		}
-		v[k] = x;
-		ss += x * x;
-	}
-	return ss;
-}
-__device__ __forceinline__ float qkn_scale(float ss, float eps) {
-	for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-	return 1.0f / sqrtf(ss / (float)HEAD_DIM + eps);
-}
+#include "qkn.cuh"
 
 // qk_norm: for token t (grid x) and head h (grid y) of a row of qkv (fp32:
 // nheads q heads, nkv k heads, nkv v heads of HEAD_DIM each), adds the
@@ -141,15 +119,6 @@ extern "C" __global__ void __launch_bounds__(32) qk_norm(float *qkv, const float
 	}
 }
 
-// stT stores v as T (bf16: rounded as llama.cu's st).
-__device__ __forceinline__ void stT(T *p, long long i, float v) {
-#if USE_BF16
-	p[i] = f2bf(v);
-#else
-	p[i] = v;
-#endif
-}
-
 // qk_norm_rope: qk_norm then rope_kv (llama.cu, bias 0) in one launch, with
 // their arithmetic: for token t (grid x) and head h (grid y: nheads + 2*nkv)
 // of qkv (fp32, read only), the bias, then for q and k heads qk_norm's
@@ -163,67 +132,10 @@ extern "C" __global__ void __launch_bounds__(32) qk_norm_rope(T *q, T *kc, T *vc
 	__shared__ float hs[HEAD_DIM];
 	blk_pdl_trigger();
 	blk_pdl_wait();
-	const int half = HEAD_DIM / 2;
 	int t = blockIdx.x, h = blockIdx.y;
-	int QD = nheads * HEAD_DIM, KVD = nkv * HEAD_DIM;
-	long long W = (long long)QD + 2 * KVD;
-	const float *row = qkv + (long long)t * W + (long long)h * HEAD_DIM;
-	const float *b = bias ? bias + (long long)h * HEAD_DIM : 0;
-	long long s = slot[t];
-	float v[QKN_PER];
-	float ss = qkn_load(row, b, v);
-	if (h >= nheads + nkv) {
-		if (s >= 0) {
-			long long o = s + (long long)(h - nheads - nkv) * HEAD_DIM;
-#pragma unroll
-			for (int k = 0; k < QKN_PER; k++) {
-				int i = threadIdx.x + 32 * k;
-				if (i < HEAD_DIM) stT(vc, o + i, v[k]);
-			}
-		}
-		return;
-	}
-	float sc = qkn_scale(ss, eps);
-	const float *w = h < nheads ? qw : kw;
-#pragma unroll
-	for (int k = 0; k < QKN_PER; k++) {
-		int i = threadIdx.x + 32 * k;
-		if (i < HEAD_DIM) hs[i] = w[i] * (sc * v[k]);
-	}
-	__syncwarp();
-	int p = pos[t];
-	for (int i = threadIdx.x; i < half; i += 32) {
-		int ia, ib;
-		if (interleaved) {
-			ia = 2 * i;
-			ib = ia + 1;
-		} else {
-			ia = i;
-			ib = i + half;
-		}
-		float c, sv;
-		if (p < ntab) {
-			float2 cs = tab[(long long)p * half + i];
-			c = cs.x;
-			sv = cs.y;
-		} else {
-			double a = (double)p * inv_freq[i];
-			c = (float)cos(a);
-			sv = (float)sin(a);
-		}
-		float a = hs[ia], bb = hs[ib];
-		float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(bb, sv));
-		float rb = __fadd_rn(__fmul_rn(a, sv), __fmul_rn(bb, c));
-		if (h < nheads) {
-			long long o = (long long)t * QD + (long long)h * HEAD_DIM;
-			stT(q, o + ia, ra);
-			stT(q, o + ib, rb);
-		} else if (s >= 0) {
-			long long o = s + (long long)(h - nheads) * HEAD_DIM;
-			stT(kc, o + ia, ra);
-			stT(kc, o + ib, rb);
-		}
-	}
+	long long W = (long long)(nheads + 2 * nkv) * HEAD_DIM;
+	qkn_rope_head<false>(q, kc, vc, qkv + (long long)t * W + (long long)h * HEAD_DIM, bias, qw, kw, pos[t], slot[t], tab,
+		inv_freq, ntab, nheads, nkv, interleaved, eps, t, h, hs);
 }
 
 // moe_gather: xe[r] = xb[src[r]], rows of dim T: the routed tokens'

@@ -878,6 +878,10 @@ struct g2_args {
 	// pass's one query, merged into shared memory from the splits' partials
 	const float *part_o, *part_ml;
 	int nsplit, window;
+	// gemv2_qkn: the q/k norm weights, and a counter a head (zero between
+	// launches) of the units written
+	const float *qw, *kw;
+	int *hcnt;
 	float beta, eps;
 };
 
@@ -1071,6 +1075,26 @@ __device__ __forceinline__ void g2_comb(const g2_args &a, bf16_t *xs) {
 	__syncthreads();
 }
 
+#include "qkn.cuh"
+
+// g2_qkn_done runs after a warp has written unit (rows r0, r0 + 1) of a
+// q/k-norm model's QKV rows: the warp that writes a head's last unit (a
+// counter a head, reset by it) runs qk_norm_rope's arithmetic
+// (qkn_rope_head) over the head for every token, reading the rows from L2.
+__device__ __forceinline__ void g2_qkn_done(const g2_args &a, int r0, float *hs) {
+	int lane = threadIdx.x & 31, h = r0 / HEAD_DIM;
+	__threadfence();
+	__syncwarp();
+	int last = 0;
+	if (lane == 0) last = atomicAdd(&a.hcnt[h], 1) == HEAD_DIM / 2 - 1;
+	if (!__shfl_sync(0xffffffffu, last, 0)) return;
+	__threadfence();
+	for (int t = 0; t < a.n; t++)
+		qkn_rope_head<true>(a.q, a.kc, a.vc, a.Y + (long long)t * a.out + (long long)h * HEAD_DIM, a.bias, a.qw, a.kw,
+			a.pos[t], a.slot[t], a.tab, a.inv_freq, a.ntab, a.nheads, a.nkv, a.interleaved, a.eps, t, h, hs);
+	if (lane == 0) a.hcnt[h] = 0;
+}
+
 // g2_fma accumulates one 8-element chunk of two rows against X's chunk.
 template <bool NORM>
 __device__ __forceinline__ void g2_fma(const g2_args &a, const bf16_t *xs, int c, uint4 wa, uint4 wb, float *acc0,
@@ -1130,8 +1154,9 @@ __device__ __forceinline__ void g2_dot(const g2_args &a, const bf16_t *xs, const
 // chunks [q*nc/ks, (q+1)*nc/ks); their sums meet in shared memory and the
 // group's first warp adds them in q order and finishes the unit: a unit's
 // result depends on ks (fixed by the shape), not on the pass. COMB: X is
-// g2_comb's merge (!NORM). Without either, the kernel is the plain one.
-template <int MODE, bool NORM, bool SPLIT = false, bool COMB = false>
+// g2_comb's merge (!NORM). QKN (G2_PLAIN, !SPLIT): each head's rows then
+// get g2_qkn_done. Without any, the kernel is the plain one.
+template <int MODE, bool NORM, bool SPLIT = false, bool COMB = false, bool QKN = false>
 __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 	__shared__ float red[32];
 	bf16_t *xs = (bf16_t *)dyn_smem;
@@ -1176,6 +1201,10 @@ __device__ __forceinline__ void gemv2(const g2_args &a, int units) {
 #pragma unroll
 			for (int t = 0; t < GEMV_MAXN; t++)
 				if (t < a.n && lane == t) g2_epilogue<MODE>(a, u, r0, r1, t, acc0[t], acc1[t]);
+			if (QKN) {
+				__shared__ float qhs[G2_THREADS / 32][HEAD_DIM];
+				g2_qkn_done(a, r0, qhs[warp]);
+			}
 		}
 		return;
 	}
@@ -1254,6 +1283,21 @@ extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm(float *Y, co
 extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_norm_ks(float *Y, const float *x, const float *normw,
 	const int *rows, const bf16_t *W, int n, int out, int in, int vt, float eps, bf16_t *xo, int ks) {
 	g2_normed<true>(Y, x, normw, rows, W, n, out, in, vt, eps, xo, ks);
+}
+// gemv2_qkn: a q/k-norm model's QKV projection (gemv2_norm, rows null, into
+// qkv f32) and qk_norm_rope's work on each head as soon as its rows are
+// written (its arguments; hcnt: a zeroed counter a head): no qk_norm_rope
+// launch, the same bits.
+extern "C" __global__ void __launch_bounds__(G2_THREADS) gemv2_qkn(float *qkv, const float *x, const float *normw,
+	const bf16_t *W, int n, int in, int vt, float eps, bf16_t *q, bf16_t *kc, bf16_t *vc, const float *bias,
+	const float *qw, const float *kw, const int *pos, const long long *slot, const float2 *tab, const double *inv_freq,
+	int ntab, int nheads, int nkv, int interleaved, int *hcnt) {
+	g2_args a = {};
+	a.W = W, a.x = x, a.normw = normw, a.Y = qkv, a.n = n, a.out = (nheads + 2 * nkv) * HEAD_DIM, a.in = in, a.vt = vt;
+	a.eps = eps, a.q = q, a.kc = kc, a.vc = vc, a.bias = bias, a.qw = qw, a.kw = kw, a.pos = pos, a.slot = slot;
+	a.tab = tab, a.inv_freq = inv_freq, a.ntab = ntab, a.nheads = nheads, a.nkv = nkv, a.interleaved = interleaved;
+	a.hcnt = hcnt, a.ks = 1;
+	gemv2<G2_PLAIN, true, false, false, true>(a, a.out / 2);
 }
 // gemv2_qkv: the attention block's rmsnorm, QKV GEMV, bias, RoPE and KV
 // write (rope_kv's arguments, in = dim).

@@ -273,7 +273,8 @@ func TestBenchGraph8B(t *testing.T) {
 		tu   tuning
 	}{{"new", tuning{}}, {"new-notc", tuning{noTC: true}}, {"new-tcnarrow", tuning{tcNarrow: true}}, {"new+pdl", tuning{pdl: true}}, {"new+skinny+merge", tuning{skinnyMax: skMaxN, fuseCombine: true}},
 		{"new-nofused", tuning{noFused: true}}, {"new+wg", tuning{wg: true}}, {"new-nomoeadd", tuning{noMoEAdd: true}}, {"new+routesilu", tuning{routeSiLU: true}}, {"new+combwo", tuning{combWo: true}},
-		{"new+routesilu+combwo", tuning{routeSiLU: true, combWo: true}},
+		{"new+routesilu+combwo", tuning{routeSiLU: true, combWo: true}}, {"new+qkn", tuning{qknFold: true}},
+		{"new+all3", tuning{routeSiLU: true, combWo: true, qknFold: true}},
 		{"new+g2ks2", tuning{g2Split: 2}}, {"new+g2ks8", tuning{g2Split: 8}},
 		{"new-da4pre", tuning{blocksDefs: "-DDA_P=8 -DDA_PRE=0"}}, {"new-silu1", tuning{blocksDefs: "-DS1_OFF=1"}},
 		{"new+s1ch8", tuning{blocksDefs: "-DS1_CH=8"}}, {"new+s1b4", tuning{blocksDefs: "-DS1_MINB=4"}},

@@ -241,6 +241,12 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		r.launchDep(f.skQKV, cu.Dim3{X: uint32(rb), Y: uint32(s), Z: 1}, cu.D1(skThreads), 0, d.q, kc, vc, d.xb, w.wqkv,
 			w.bqkv, lp.meta(p.pos), lp.slots, b.ropeTab, b.rope, int32(b.ropeN), int32(n), int32(dim), int32(c.Heads),
 			int32(c.KVHeads), lp.interleaved, int32(cps), f.skPart, f.skCnt)
+	case lp.fused && qkNorm && b.fn.g2QKN != nil && b.bk.qkNormRope != nil:
+		// rmsnorm, the GEMV and each head's qk_norm_rope work in one launch.
+		f := b.fn.g2QKN
+		r.launchDep(f, b.g2Grid(f, (qd+2*kvd)/2), cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, w.wqkv, int32(n),
+			int32(dim), lp.vt, c.NormEps, d.q, kc, vc, w.bqkv, w.qNorm, w.kNorm, lp.meta(p.pos), lp.slots, b.ropeTab, b.rope,
+			int32(b.ropeN), int32(c.Heads), int32(c.KVHeads), lp.interleaved, b.fn.g2QKNCnt)
 	default:
 		if lp.fused && qkNorm {
 			// rmsnorm and the GEMV in one launch (rows null: every token).

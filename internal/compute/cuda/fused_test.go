@@ -15,7 +15,8 @@ import (
 // or cuBLAS): the fused GEMVs with the old attention and cuBLAS must give the
 // old kernels' logits bit for bit (these dims reduce rmsnorm in its own
 // order; so must the same with tuning combWo, whose wo merges one query's
-// attention splits itself, gemv2_comb); all the new kernels together must stay near them (with the 4- and
+// attention splits itself, gemv2_comb, and with qknFold, whose QKV GEMV
+// runs qk_norm_rope's work, gemv2_qkn); all the new kernels together must stay near them (with the 4- and
 // 8-warp attention), and give the same bits with attn_combine instead of
 // attn_decode2's own merge and launched with programmatic dependent launch; the
 // defaults (attn_decode_tc at head dim 128) stay near them too. Shapes: head dims 8 to 128,
@@ -63,6 +64,11 @@ func TestFusedDecode(t *testing.T) {
 			if comb.fn.g2Comb == nil || tc.fn.g2Comb != nil {
 				t.Fatalf("gemv2_comb loaded %v with tuning combWo, %v without", comb.fn.g2Comb != nil, tc.fn.g2Comb != nil)
 			}
+			qkn := mk(tuning{decodeV1: true, qknFold: true})
+			if (qkn.fn.g2QKN != nil) != m.Config.Spec.Attention.QKNorm || tc.fn.g2QKN != nil {
+				t.Fatalf("gemv2_qkn loaded %v with tuning qknFold (q/k norm %v), %v without", qkn.fn.g2QKN != nil,
+					m.Config.Spec.Attention.QKNorm, tc.fn.g2QKN != nil)
+			}
 			if m.Config.HeadDim == 128 && tc.fn.attnTC == nil {
 				t.Errorf("attn_decode_tc not loaded")
 			}
@@ -87,7 +93,7 @@ func TestFusedDecode(t *testing.T) {
 			if m.Config.Heads/m.Config.KVHeads <= 4 && !hasW8 {
 				t.Errorf("attn_decode2_w8 not loaded")
 			}
-			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc, comb}
+			bs := []*Backend{old, fusedOld, nw, sep, pdl, w8, tc, comb, qkn}
 			r := newRand(uint64(len(sh.name)))
 			base := 0
 			for _, n := range groups {
@@ -104,6 +110,7 @@ func TestFusedDecode(t *testing.T) {
 				}
 				exact("fused GEMVs vs separate kernels", 0, 1)
 				exact("wo merging one query's splits (gemv2_comb) vs attn_combine", 0, 7)
+				exact("the QKV GEMV running qk_norm_rope's work (gemv2_qkn) vs qk_norm_rope", 0, 8)
 				exact("attn_decode2 merging its splits vs attn_combine", 2, 3)
 				if pdl.fn.pdl {
 					exact("programmatic launches vs plain ones", 2, 4)
@@ -159,8 +166,9 @@ func TestResidentBlocks(t *testing.T) {
 // writes the experts' normalised x; tiny-qwen3-moe's qk_norm_rope;
 // moe_gemv_down_add for passes of at most moeAddPairs pairs; tiny-qwen2-moe
 // with its gated shared expert, tiny-mixtral with top 2), and the same with
-// tunings routeSiLU and combWo (one token's routing inside moe_route_silu1,
-// wo merging the attention's splits in gemv2_comb), against the separate
+// tunings routeSiLU, combWo and qknFold (one token's routing inside
+// moe_route_silu1, wo merging the attention's splits in gemv2_comb, the QKV
+// GEMV running qk_norm_rope's work in gemv2_qkn), against the separate
 // kernels (rmsnorm, gemv_*, qk_norm, rope_kv, moe_route, moe_gemv_silu1,
 // attn_combine, moe_gemv_down, moe_combine): logits bit for bit over prefill and decode at batch sizes 1
 // to 4 and 6 (past the fused layer: qk_norm_rope against qk_norm + rope_kv
@@ -179,10 +187,12 @@ func TestFusedMoE(t *testing.T) {
 			old := mk(tuning{noFused: true, decodeV1: true, noQKRope: true, noMoEAdd: true})
 			fused := mk(tuning{decodeV1: true})
 			// one token's routing in moe_route_silu1, wo merging its splits
-			opt := mk(tuning{decodeV1: true, routeSiLU: true, combWo: true})
-			if opt.bk.routeSiLU1 == nil || opt.fn.g2Comb == nil || fused.bk.routeSiLU1 != nil || fused.fn.g2Comb != nil {
-				t.Fatalf("moe_route_silu1 %v, gemv2_comb %v with their tunings; %v, %v without", opt.bk.routeSiLU1 != nil,
-					opt.fn.g2Comb != nil, fused.bk.routeSiLU1 != nil, fused.fn.g2Comb != nil)
+			opt := mk(tuning{decodeV1: true, routeSiLU: true, combWo: true, qknFold: true})
+			if opt.bk.routeSiLU1 == nil || opt.fn.g2Comb == nil || fused.bk.routeSiLU1 != nil || fused.fn.g2Comb != nil ||
+				(opt.fn.g2QKN != nil) != m.Config.Spec.Attention.QKNorm {
+				t.Fatalf("moe_route_silu1 %v, gemv2_comb %v, gemv2_qkn %v with their tunings; %v, %v without",
+					opt.bk.routeSiLU1 != nil, opt.fn.g2Comb != nil, opt.fn.g2QKN != nil, fused.bk.routeSiLU1 != nil,
+					fused.fn.g2Comb != nil)
 			}
 			if fused.fn.g2Norm == nil || fused.bk.gemvDownAdd == nil || !fused.moeCapturable() ||
 				m.Config.Spec.Attention.QKNorm && fused.bk.qkNormRope == nil {
@@ -205,7 +215,7 @@ func TestFusedMoE(t *testing.T) {
 					t.Errorf("batch %d: fused vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)", n, d, am)
 				}
 				if d, _, am := compareSteps(res[0], res[2]); d != 0 || am != 0 {
-					t.Errorf("batch %d: moe_route_silu1 and gemv2_comb vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)",
+					t.Errorf("batch %d: moe_route_silu1, gemv2_comb and gemv2_qkn vs separate kernels: max abs diff %g, %d greedy tokens differ (want bit for bit)",
 						n, d, am)
 				}
 			}

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"math"
 	"math/rand/v2"
@@ -16,7 +17,10 @@ import (
 // and gemv2_plain_ks split over 1 (the same bits), 2, 4 and 8 warps (tuning
 // g2Split), on grids smaller and larger than the units; gemv2_comb equal bit
 // for bit to attn_combine followed by gemv2_plain(_ks) over its row, with and
-// without a sliding window and split; gemv2_norm_ks split as not.
+// without a sliding window and split; gemv2_norm_ks split as not; and
+// gemv2_qkn's rows equal gemv2_norm's, its q and KV writes equal
+// qk_norm_rope's over those rows (blocks.cu, emulated too) bit for bit, its
+// head counters back at zero.
 func TestGEMV2Emulated(t *testing.T) {
 	const hd = 64
 	src, _ := filepath.Abs("../../../csrc/llama/llama.cu")
@@ -128,6 +132,8 @@ func TestGEMV2Emulated(t *testing.T) {
 		near(name, y, want, mag, 1e-2) // a merged element may round to the other bf16 neighbour
 	}
 
+	qknEmulated(t, bin)
+
 	for _, ks := range []int{1, 2, 4} {
 		const n, out, in = 2, 70, 1024
 		name := fmt.Sprintf("gemv2_norm ks %d", ks)
@@ -166,5 +172,84 @@ func TestGEMV2Emulated(t *testing.T) {
 		}
 		want, mag := dot(W, xs, nil, n, out, in)
 		near(name, y, want, mag, 1e-5)
+	}
+}
+
+// qknEmulated checks gemv2_qkn (llama_emu, bin) against gemv2_norm and
+// qk_norm_rope (blocks_emu) over tokens with and without a KV slot, the
+// table's positions and past it, with and without a bias and interleaving.
+func qknEmulated(t *testing.T, bin string) {
+	const hd, half, n, nh, nkv, ntab, in = 64, 32, 3, 4, 2, 16, 512
+	blocks := blocksEmu(t, hd, true)
+	r := rand.New(rand.NewPCG(13, 14))
+	W, QD, KVD := (nh+2*nkv)*hd, nh*hd, nkv*hd
+	pos := []int32{3, ntab, 70000}
+	slot := []int64{int64(2 * KVD), -1, 0}
+	ce := 3 * KVD
+	inv := make([]float64, half)
+	for i := range inv {
+		inv[i] = math.Pow(1e6, -float64(2*i)/float64(hd))
+	}
+	tab := make([]float32, ntab*half*2)
+	for p := range ntab {
+		for i := range half {
+			a := float64(p) * inv[i]
+			tab[2*(p*half+i)], tab[2*(p*half+i)+1] = float32(math.Cos(a)), float32(math.Sin(a))
+		}
+	}
+	const eps = float32(1e-6)
+	for _, hb := range []int32{0, 1} {
+		for _, il := range []int32{0, 1} {
+			name := fmt.Sprintf("gemv2_qkn bias %d interleaved %d", hb, il)
+			x, nw := randF32(r, n*in, 1), randF32(r, in, 0.3)
+			for i := range nw {
+				nw[i]++
+			}
+			Wt, bias := bf16Round(randF32(r, W*in, 0.1)), randF32(r, W, 0.5)
+			qw, kw := randF32(r, hd, 0.3), randF32(r, hd, 0.3)
+			for i := range qw {
+				qw[i], kw[i] = 1+qw[i], 1+kw[i]
+			}
+			var buf bytes.Buffer
+			put(t, &buf, int32(4), int32(n), int32(nh), int32(nkv), hb, il, int32(ntab), int32(ce), int32(in), int32(5), rmsVT(in),
+				eps, x, nw)
+			putT(t, &buf, true, Wt)
+			put(t, &buf, bias, qw, kw, pos, slot, tab, inv)
+			sz := 2*n*W*4 + (n*QD+2*ce)*2 + (nh+2*nkv)*4
+			raw := emuCall[byte](t, bin, &buf, sz)
+			f32s := func(b []byte) []float32 {
+				v := make([]float32, len(b)/4)
+				for i := range v {
+					v[i] = math.Float32frombits(binary.LittleEndian.Uint32(b[4*i:]))
+				}
+				return v
+			}
+			plain, fused := f32s(raw[:n*W*4]), f32s(raw[n*W*4:2*n*W*4])
+			for i := range plain {
+				if math.Float32bits(plain[i]) != math.Float32bits(fused[i]) {
+					t.Fatalf("%s: qkv %d %v, gemv2_norm's %v", name, i, fused[i], plain[i])
+				}
+			}
+			writes := raw[2*n*W*4 : 2*n*W*4+(n*QD+2*ce)*2]
+			for i, c := range raw[2*n*W*4+(n*QD+2*ce)*2:] {
+				if c != 0 {
+					t.Fatalf("%s: head counter byte %d is %d after the launch", name, i, c)
+				}
+			}
+			var ref bytes.Buffer
+			put(t, &ref, int32(6), int32(n), int32(nh), int32(nkv), hb, il, int32(ntab), int32(ce), eps, plain, bias, qw, kw,
+				pos, slot, tab, inv)
+			want := emuCall[byte](t, blocks, &ref, (n*QD+2*ce)*2)
+			if !bytes.Equal(writes, want) {
+				for i := range want {
+					if writes[i] != want[i] {
+						t.Fatalf("%s: q/kc/vc byte %d %#x, qk_norm_rope's %#x", name, i, writes[i], want[i])
+					}
+				}
+			}
+			if bytes.Count(want, []byte{0xff, 0xff}) == len(want)/2 {
+				t.Fatalf("%s: qk_norm_rope wrote nothing", name)
+			}
+		}
 	}
 }

@@ -79,6 +79,10 @@ type tuning struct {
 	// gemv2_comb rather than in attn_combine. Opt-in until measured on a
 	// GPU (its first form read a null X there; docs/BENCHMARKS.md).
 	combWo bool
+	// qknFold: a q/k-norm model's fused QKV GEMV runs each head's
+	// qk_norm_rope work as soon as the head's rows are written (gemv2_qkn)
+	// instead of in a qk_norm_rope launch. Opt-in until measured on a GPU.
+	qknFold bool
 	// blocksDefs: extra NVRTC macros for the blocks kernel set (space
 	// separated, "-DDA_P=4 -DDA_PRE=1"), for kernel experiments.
 	blocksDefs string
@@ -125,6 +129,10 @@ type kernels struct {
 	// g2Comb: gemv2_comb, wo over attn_combine's output merged in its own
 	// blocks, for passes of one decode query (nil: attn_combine, gemv2_plain)
 	g2Comb *cu.Function
+	// g2QKN: gemv2_qkn, a q/k-norm model's QKV GEMV that runs qk_norm_rope's
+	// work itself (tuning qknFold), with its head counters g2QKNCnt
+	g2QKN    *cu.Function
+	g2QKNCnt cu.DevicePtr
 	// g2Splits: the forms of g2Plain, g2Norm and g2Comb that split a unit
 	// over warps (tuning g2Split; none without it)
 	g2Splits map[*cu.Function]*cu.Function
@@ -588,6 +596,16 @@ func (b *Backend) loadFused() {
 	}
 	if b.opts.tune.combWo {
 		f.g2Comb = opt("gemv2_comb", g2StageMax)
+	}
+	if c := &b.cfg; b.opts.tune.qknFold && c.Spec.Attention.QKNorm && c.HeadDim%2 == 0 {
+		heads := uint64(c.Heads + 2*c.KVHeads)
+		cnt, err := b.alloc(heads * 4)
+		if err == nil {
+			err = b.cx.MemsetD8(cnt, 0, heads*4)
+		}
+		if fn := opt("gemv2_qkn", smem); fn != nil && err == nil {
+			f.g2QKN, f.g2QKNCnt = fn, cnt
+		}
 	}
 	f.g2Splits = map[*cu.Function]*cu.Function{}
 	if b.opts.tune.g2Split > 1 {

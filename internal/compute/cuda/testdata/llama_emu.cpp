@@ -15,6 +15,14 @@
 //   norm:  n, out, in, ks, grid, vt, eps (f32), x f32 [n][in], normw f32
 //          [in], W bf16 [out][in]; out Y f32 [n][out] and xo bf16 [n][in]
 //          of gemv2_norm_ks (rows 0..n-1).
+//   qkn:   n, heads, kv heads, has bias, interleaved, ntab, cache elements,
+//          in, grid, vt, eps (f32), x f32 [n][in], normw f32 [in], W bf16
+//          [W][in] (W = (heads + 2 kv heads) HEAD_DIM), bias f32 [W], qw, kw
+//          f32 [HEAD_DIM], pos [n], slot int64 [n], tab f32
+//          [ntab][HEAD_DIM/2][2], inv_freq f64 [HEAD_DIM/2]; q, kc, vc start
+//          as all-ones bytes; out qkv f32 [n][W] of gemv2_norm, then of
+//          gemv2_qkn, q bf16 [n][heads HEAD_DIM], kc, vc bf16 [cache
+//          elements], the head counters after [heads + 2 kv heads].
 #include "cudaemu.h"
 #include LLAMA_CU
 
@@ -79,6 +87,48 @@ int main(int argc, char **argv) {
 				   xo.data(), ks);
 			wrv(y, (size_t)n * out_);
 			wrv(xo, (size_t)n * in_);
+		} else if (op == 4) {
+			int n = rd(), nh = rd(), nkv = rd(), hb = rd(), il = rd(), ntab = rd(), ce = rd(), in_ = rd(), grid = rd(),
+			    vt = rd();
+			float eps;
+			if (fread(&eps, 4, 1, in) != 1) return 2;
+			int W = (nh + 2 * nkv) * HEAD_DIM, QD = nh * HEAD_DIM;
+			std::vector<float> x, nw, bias, qw, kw;
+			std::vector<bf16_t> Wt;
+			std::vector<int> pos;
+			std::vector<long long> slot;
+			std::vector<float2> tab;
+			std::vector<double> inv;
+			rdv(x, (size_t)n * in_);
+			rdv(nw, in_);
+			rdv(Wt, (size_t)W * in_);
+			rdv(bias, W);
+			rdv(qw, HEAD_DIM);
+			rdv(kw, HEAD_DIM);
+			rdv(pos, n);
+			rdv(slot, n);
+			rdv(tab, (size_t)ntab * (HEAD_DIM / 2));
+			rdv(inv, HEAD_DIM / 2);
+			std::vector<float> y((size_t)n * W + 1), y2((size_t)n * W + 1);
+			emu_launch(gemv2_norm, {(unsigned)grid, 1, 1}, G2_THREADS, y.data(), (const float *)x.data(),
+				   (const float *)nw.data(), (const int *)nullptr, (const bf16_t *)Wt.data(), n, W, in_, vt, eps,
+				   (bf16_t *)nullptr, 1);
+			std::vector<bf16_t> q((size_t)n * QD + 1), kc(ce + 1), vc(ce + 1);
+			memset(q.data(), 0xff, q.size() * 2);
+			memset(kc.data(), 0xff, kc.size() * 2);
+			memset(vc.data(), 0xff, vc.size() * 2);
+			std::vector<int> cnt(nh + 2 * nkv + 1, 0);
+			emu_launch(gemv2_qkn, {(unsigned)grid, 1, 1}, G2_THREADS, y2.data(), (const float *)x.data(),
+				   (const float *)nw.data(), (const bf16_t *)Wt.data(), n, in_, vt, eps, q.data(), kc.data(), vc.data(),
+				   (const float *)(hb ? bias.data() : nullptr), (const float *)qw.data(), (const float *)kw.data(),
+				   (const int *)pos.data(), (const long long *)slot.data(), (const float2 *)tab.data(),
+				   (const double *)inv.data(), ntab, nh, nkv, il, cnt.data());
+			wrv(y, (size_t)n * W);
+			wrv(y2, (size_t)n * W);
+			wrv(q, (size_t)n * QD);
+			wrv(kc, ce);
+			wrv(vc, ce);
+			wrv(cnt, nh + 2 * nkv);
 		} else {
 			return 3;
 		}
