@@ -35,6 +35,8 @@ __device__ __forceinline__ float ld(const bf16_t *p, long long i) { return bf2f(
 __device__ __forceinline__ void st(float *p, long long i, float v) { p[i] = v; }
 __device__ __forceinline__ void st(bf16_t *p, long long i, float v) { p[i] = f2bf(v); }
 
+#include "qkn.cuh"
+
 // load8 reads 8 consecutive elements (16-byte aligned for bf16, 32 for f32).
 __device__ __forceinline__ void load8(const float *p, float *o) {
 	float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
@@ -244,17 +246,8 @@ extern "C" __global__ void rope_kv(T *q, T *kc, T *vc, const float *qkv, const f
 			ia = base + i;
 			ib = base + i + half;
 		}
-		int p = pos[t];
 		float c, sv;
-		if (p < ntab) {
-			float2 cs = tab[(long long)p * half + i];
-			c = cs.x;
-			sv = cs.y;
-		} else {
-			double a = (double)p * inv_freq[i];
-			c = (float)cos(a);
-			sv = (float)sin(a);
-		}
+		rope_cs(pos[t], i, tab, inv_freq, ntab, c, sv);
 		float a = row[ia], b = row[ib];
 		if (bias) {
 			a += bias[ia];
@@ -942,17 +935,8 @@ __device__ __forceinline__ void g2_epilogue(const g2_args &a, int u, int r0, int
 			}
 			return;
 		}
-		int i = u % half, p = a.pos[t];
 		float c, sv;
-		if (p < a.ntab) {
-			float2 cs = a.tab[(long long)p * half + i];
-			c = cs.x;
-			sv = cs.y;
-		} else {
-			double an = (double)p * a.inv_freq[i];
-			c = (float)cos(an);
-			sv = (float)sin(an);
-		}
+		rope_cs(a.pos[t], u % half, a.tab, a.inv_freq, a.ntab, c, sv);
 		float ra = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, sv));
 		float rb = __fadd_rn(__fmul_rn(v0, sv), __fmul_rn(v1, c));
 		if (r0 < QD) {
@@ -1074,8 +1058,6 @@ __device__ __forceinline__ void g2_comb(const g2_args &a, bf16_t *xs) {
 	}
 	__syncthreads();
 }
-
-#include "qkn.cuh"
 
 // g2_qkn_done runs after a warp has written unit (rows r0, r0 + 1) of a
 // q/k-norm model's QKV rows: the warp that writes a head's last unit (a
@@ -1535,17 +1517,8 @@ __device__ __forceinline__ void gemm_sk(const sk_args &a) {
 				}
 				continue;
 			}
-			int p = a.pos[t];
 			float c, sv;
-			if (p < a.ntab) {
-				float2 cv = a.tab[(long long)p * half + ii];
-				c = cv.x;
-				sv = cv.y;
-			} else {
-				double an = (double)p * a.inv_freq[ii];
-				c = (float)cos(an);
-				sv = (float)sin(an);
-			}
+			rope_cs(a.pos[t], ii, a.tab, a.inv_freq, a.ntab, c, sv);
 			float r0 = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, sv));
 			float r1 = __fadd_rn(__fmul_rn(v0, sv), __fmul_rn(v1, c));
 			if (rowA < QD) {

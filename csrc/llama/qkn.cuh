@@ -1,7 +1,23 @@
-// qkn.cuh: a Qwen3 head's q/k RMSNorm with RoPE and the KV write, by one
-// warp, shared by blocks.cu (qk_norm, qk_norm_rope) and llama.cu
-// (gemv2_qkn). csrc.LlamaKernel inlines it where a kernel set includes it
-// (NVRTC gets no headers); the includer defines T, HEAD_DIM, f2bf.
+// qkn.cuh: RoPE's cos/sin, and a Qwen3 head's q/k RMSNorm with RoPE and
+// the KV write by one warp, shared by blocks.cu (qk_norm, qk_norm_rope) and
+// llama.cu (rope_kv, gemv2_qkv, gemm_sk_qkv, gemv2_qkn). csrc.LlamaKernel
+// inlines it where a kernel set includes it (NVRTC gets no headers); the
+// includer defines T, HEAD_DIM, f2bf.
+
+// rope_cs: the cos and sin of rotated pair i at position p, from the f32
+// table tab below ntab positions, else in double (as rope_table makes it).
+__device__ __forceinline__ void rope_cs(int p, int i, const float2 *tab, const double *inv_freq, int ntab, float &c,
+	float &sv) {
+	if (p < ntab) {
+		float2 cs = tab[(long long)p * (HEAD_DIM / 2) + i];
+		c = cs.x;
+		sv = cs.y;
+	} else {
+		double a = (double)p * inv_freq[i];
+		c = (float)cos(a);
+		sv = (float)sin(a);
+	}
+}
 
 // qkn_ld reads one f32: plainly, or with CG from L2 (another SM's writes
 // of this kernel, after a fence).
@@ -96,15 +112,7 @@ __device__ __forceinline__ void qkn_rope_head(T *q, T *kc, T *vc, const float *r
 			ib = i + half;
 		}
 		float c, sv;
-		if (p < ntab) {
-			float2 cs = tab[(long long)p * half + i];
-			c = cs.x;
-			sv = cs.y;
-		} else {
-			double a = (double)p * inv_freq[i];
-			c = (float)cos(a);
-			sv = (float)sin(a);
-		}
+		rope_cs(p, i, tab, inv_freq, ntab, c, sv);
 		float a = hs[ia], bb = hs[ib];
 		float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(bb, sv));
 		float rb = __fadd_rn(__fmul_rn(a, sv), __fmul_rn(bb, c));
