@@ -985,8 +985,8 @@ __device__ __forceinline__ void g2_norm(const g2_args &a, bf16_t *xs, float *red
 // in at most G2_COMB_I * 1024) into xs as T, with
 // attn_combine's arithmetic: the same bits. The splits' (m, l) pairs are
 // loaded once into shared memory and each head's factors exp(m - M)
-// computed once; each thread then merges 4 elements of each of J groups,
-// two splits' partials in flight.
+// computed once; each thread then merges 4 elements of each of its (up to
+// G2_COMB_I) groups, two splits' partials in flight.
 #define G2_COMB_S 16
 #define G2_COMB_H 64
 #define G2_COMB_I 4

@@ -250,8 +250,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 	default:
 		if lp.fused && qkNorm {
 			// rmsnorm and the GEMV in one launch (rows null: every token).
-			f := b.fn.g2Norm
-			f, grid, ks := b.g2Split(f, (qd+2*kvd+1)/2, dim)
+			f, grid, ks := b.g2Split(b.fn.g2Norm, (qd+2*kvd+1)/2, dim)
 			r.launchDep(f, grid, cu.D1(g2Threads), lp.xsmem, d.qkv, d.x, w.attnNorm, null, w.wqkv,
 				int32(n), int32(qd+2*kvd), int32(dim), lp.vt, c.NormEps, null, ks)
 		} else {
@@ -339,8 +338,7 @@ func (b *Backend) attention(lp *layerPass, li int, w *devLayer, seqs []compute.S
 		}
 	}
 	if comb {
-		f := b.fn.g2Comb
-		f, grid, ks := b.g2Split(f, (dim+1)/2, qd)
+		f, grid, ks := b.g2Split(b.fn.g2Comb, (dim+1)/2, qd)
 		r.launchDep(f, grid, cu.D1(g2Threads), uint32(qd*2), d.x, w.wo, int32(dim), int32(qd), b.sh.resid(), d.part,
 			lp.partML, lp.meta(p.gPos), int32(p.nsplit), win, ks)
 	} else {
@@ -511,8 +509,7 @@ func (b *Backend) moeMLP(lp *layerPass, w *devLayer) {
 	null := cu.DevicePtr(0)
 	if lp.fused {
 		// rmsnorm and the router GEMV in one launch; its block 0 writes d.xb.
-		f := b.fn.g2Norm
-		f, grid, ks := b.g2Split(f, (stride+1)/2, dim)
+		f, grid, ks := b.g2Split(b.fn.g2Norm, (stride+1)/2, dim)
 		r.launchDep(f, grid, cu.D1(g2Threads), lp.xsmem, m.logits.p, d.x, w.ffnNorm, null, mw.router,
 			int32(n), int32(stride), int32(dim), lp.vt, c.NormEps, d.xb, ks)
 	} else {

@@ -344,9 +344,8 @@ func (r *run) gemm(y cu.DevicePtr, yF32 bool, x, w cu.DevicePtr, n, out, in int,
 		return
 	}
 	if yF32 && b.fused(n) && in%8 == 0 {
-		f := b.fn.g2Plain
 		xb, stage := g2Stage(n, in)
-		f, grid, ks := b.g2Split(f, (out+1)/2, in)
+		f, grid, ks := b.g2Split(b.fn.g2Plain, (out+1)/2, in)
 		r.launchDep(f, grid, cu.D1(g2Threads), xb, y, x, w, int32(n), int32(out), int32(in), beta, stage, ks)
 		return
 	}
@@ -471,8 +470,7 @@ func (b *Backend) enqueue(ctx context.Context, p *passPlan, d *passBufs, seqs []
 		lg = d.logits + cu.DevicePtr(m*c.Vocab*4)
 	}
 	if b.fused(m) {
-		f := b.fn.g2Norm
-		f, grid, ks := b.g2Split(f, (rows+1)/2, dim)
+		f, grid, ks := b.g2Split(b.fn.g2Norm, (rows+1)/2, dim)
 		r.launchDep(f, grid, cu.D1(g2Threads), uint32(m*dim*2), lg, d.x, b.w.norm,
 			lp.meta(p.lrows), b.w.lmHead, int32(m), int32(rows), int32(dim), lp.vt, c.NormEps, cu.DevicePtr(0), ks)
 	} else {

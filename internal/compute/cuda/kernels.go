@@ -70,10 +70,11 @@ type tuning struct {
 	// (moe_route_silu1) instead of in moe_route first. Opt-in until
 	// measured on a GPU (bit for bit in emulation; docs/BENCHMARKS.md).
 	routeSiLU bool
-	// g2Split: the most warps gemv2_plain and gemv2_norm may give one unit
-	// (a row pair's chunks split between them, summed in a fixed order):
-	// more bytes in flight for the GEMVs of fewer units than resident warps.
-	// 0 or 1: one warp a unit, the sums of gemv_* (bit for bit).
+	// g2Split: the most warps gemv2_plain, gemv2_norm and gemv2_comb may
+	// give one unit (their _ks forms: a row pair's chunks split between the
+	// warps, summed in a fixed order): more bytes in flight for the GEMVs of
+	// fewer units than resident warps. 0 or 1: one warp a unit, the sums of
+	// gemv_* (bit for bit).
 	g2Split int
 	// combWo: a one-query decode pass merges its attention splits in wo's
 	// gemv2_comb rather than in attn_combine. Opt-in until measured on a
@@ -597,14 +598,18 @@ func (b *Backend) loadFused() {
 	if b.opts.tune.combWo {
 		f.g2Comb = opt("gemv2_comb", g2StageMax)
 	}
-	if c := &b.cfg; b.opts.tune.qknFold && c.Spec.Attention.QKNorm && c.HeadDim%2 == 0 {
-		heads := uint64(c.Heads + 2*c.KVHeads)
-		cnt, err := b.alloc(heads * 4)
-		if err == nil {
-			err = b.cx.MemsetD8(cnt, 0, heads*4)
-		}
-		if fn := opt("gemv2_qkn", smem); fn != nil && err == nil {
-			f.g2QKN, f.g2QKNCnt = fn, cnt
+	if c := &b.cfg; b.opts.tune.qknFold && c.Spec.Attention.QKNorm {
+		if fn := opt("gemv2_qkn", smem); fn != nil {
+			heads := uint64(c.Heads + 2*c.KVHeads)
+			cnt, err := b.alloc(heads * 4)
+			if err == nil {
+				err = b.cx.MemsetD8(cnt, 0, heads*4)
+			}
+			if err != nil {
+				b.lg.Warn("gemv2_qkn off: no head counters", zap.Error(err))
+			} else {
+				f.g2QKN, f.g2QKNCnt = fn, cnt
+			}
 		}
 	}
 	f.g2Splits = map[*cu.Function]*cu.Function{}
@@ -695,8 +700,7 @@ func (b *Backend) g2Split(f *cu.Function, units, in int) (*cu.Function, cu.Dim3,
 			f = sf
 		}
 	}
-	per := g2Threads / 32 / ks
-	return f, cu.D1(uint32(max(1, min((units+per-1)/per, b.fn.g2Blocks[f])))), int32(ks)
+	return f, b.g2Grid(f, units*ks), int32(ks)
 }
 
 // rmsVT is the thread count whose reduction order gemv2's rmsnorm follows:
