@@ -149,11 +149,10 @@ func TestGEMV2Emulated(t *testing.T) {
 		var y []float32
 		var xo []uint16
 		for i := range n * out {
-			y = append(y, math.Float32frombits(uint32(raw[4*i])|uint32(raw[4*i+1])<<8|uint32(raw[4*i+2])<<16|uint32(raw[4*i+3])<<24))
+			y = append(y, math.Float32frombits(binary.LittleEndian.Uint32(raw[4*i:])))
 		}
 		for i := range n * in {
-			j := n*out*4 + 2*i
-			xo = append(xo, uint16(raw[j])|uint16(raw[j+1])<<8)
+			xo = append(xo, binary.LittleEndian.Uint16(raw[n*out*4+2*i:]))
 		}
 		xs := bf16Floats(xo)
 		// the normalised rows against rmsnorm's definition, within a bf16 rounding
